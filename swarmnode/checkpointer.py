@@ -1,0 +1,271 @@
+"""The speculative checkpointer: rolling hot and cold snapshots written off the training path.
+
+The training thread only copies the state into reused staging buffers (`copy_` into preallocated memory,
+pinned and on a side stream on CUDA); compression, hashing and writing happen on one background writer
+thread. At most one write is in flight: a hot snapshot that falls due meanwhile is skipped and counted,
+never waited for; a cold one waits (that wait is the stall it reports). A full disk or an unwritable
+directory is logged once, counted, and training goes on with the snapshots it has.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmnode import faults
+from swarmnode.metrics import Metrics
+from swarmnode.snapshot import (
+    SnapshotError,
+    SnapshotInfo,
+    info_from_file,
+    iter_snapshot_files,
+    sha256_file,
+    write_snapshot,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    directory: Path
+    """Where snapshot files live."""
+    keep_hot: int = 3
+    keep_cold: int = 2
+    layout: str = "planes"
+    hot_level: int = 1
+    """zstd level of hot snapshots (fast)."""
+    cold_level: int = 3
+    zstd_threads: int = 0
+    """zstd worker threads (0: compress on the writer thread)."""
+
+    def __post_init__(self) -> None:
+        if self.keep_hot < 1 or self.keep_cold < 1:
+            raise ValueError("keep_hot and keep_cold must be at least 1")
+
+
+@dataclass
+class _Job:
+    kind: str
+    metadata: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    copied: Any  # a CUDA event to wait for before reading the staging buffers, or None
+
+
+class StagingBuffers:
+    """Preallocated CPU copies of the training state, reused snapshot after snapshot."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any = None
+
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        """Copy `tensors` into the buffers; returns them and a CUDA event marking the copies' end."""
+        on_cuda = any(t.is_cuda for t in tensors.values())
+        if not on_cuda:
+            return {name: self._buffer(name, t).copy_(t) for name, t in tensors.items()}, None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        producer = torch.cuda.current_stream()
+        self._stream.wait_stream(producer)
+        with torch.cuda.stream(self._stream):
+            staged = {name: self._buffer(name, t).copy_(t, non_blocking=True) for name, t in tensors.items()}
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        # Training must not overwrite the parameters before the device-to-host copies have read them;
+        # this makes the GPU (not the Python thread) wait, and only for the copy itself.
+        producer.wait_event(done)
+        return staged, done
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+            self._buffers[name] = buffer
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class SpeculativeCheckpointer:
+    """Hot/cold rolling snapshots with one background writer; also the catalog of complete snapshots."""
+
+    def __init__(self, cfg: CheckpointerConfig, metrics: Metrics,
+                 on_written: Callable[[SnapshotInfo], None] | None = None) -> None:
+        self.cfg, self.metrics, self.on_written = cfg, metrics, on_written
+        self._staging = StagingBuffers()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._lock = threading.Lock()
+        self._snapshots: list[SnapshotInfo] = []
+        self._writes = 0
+        self._logged_failures: set[str] = set()
+        self._thread = threading.Thread(target=self._writer_loop, name="snapshot-writer", daemon=True)
+        self._thread.start()
+
+    # ----- the training thread's side -----
+
+    def snapshot(self, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any], kind: str) -> bool:
+        """Stage the state and queue its write; a hot one is skipped (False) while a write is in flight."""
+        started = time.perf_counter()
+        if not self._idle.is_set():
+            if kind == "hot":
+                self.metrics.snapshots_skipped.inc()
+                logger.debug("hot snapshot at %s skipped: a write is in flight", _steps(metadata))
+                return False
+            self._idle.wait()
+        self._idle.clear()
+        staged, copied = self._staging.stage(tensors)
+        self._jobs.put(_Job(kind, dict(metadata), staged, copied))
+        self.metrics.snapshot_stall.labels(kind).observe(time.perf_counter() - started)
+        return True
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no write is in flight (shutdown, tests)."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.wait_idle(timeout_s)
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    # ----- the writer thread -----
+
+    def _writer_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._write(job)
+            except Exception:  # a bug must not kill the writer and wedge every later cold snapshot
+                logger.exception("snapshot writer failed unexpectedly")
+            finally:
+                self._idle.set()
+
+    def _write(self, job: _Job) -> None:
+        if job.copied is not None:
+            job.copied.synchronize()
+        self._writes += 1
+        index = self._writes
+        faults.hit("snapshot_write", index)
+        started = time.perf_counter()
+        try:
+            info, raw_bytes = write_snapshot(
+                self.cfg.directory, job.tensors, job.metadata, kind=job.kind, layout=self.cfg.layout,
+                level=self.cfg.hot_level if job.kind == "hot" else self.cfg.cold_level,
+                threads=self.cfg.zstd_threads, fsync=job.kind == "cold",
+                on_halfway=lambda: faults.hit("snapshot_halfway", index))
+        except OSError as exc:
+            self._record_failure(exc)
+            return
+        seconds = time.perf_counter() - started
+        self._record_success(info, raw_bytes, seconds)
+        self._apply_retention()
+        if self.on_written is not None:
+            self.on_written(info)
+
+    def _record_success(self, info: SnapshotInfo, raw_bytes: int, seconds: float) -> None:
+        m = self.metrics
+        m.snapshot_write.labels(info.kind).observe(seconds)
+        m.snapshots_written.labels(info.kind).inc()
+        m.snapshot_raw_bytes.labels(info.kind).inc(raw_bytes)
+        m.snapshot_compressed_bytes.labels(info.kind).inc(info.size_bytes)
+        m.snapshot_size.labels(info.kind).set(info.size_bytes)
+        with self._lock:
+            self._snapshots.append(info)
+        logger.info("%s snapshot o%d/i%d written: %s, %.1f MB (ratio %.3f) in %.2f s", info.kind,
+                    info.outer_step, info.inner_step, info.snapshot_id[:12], info.size_bytes / 1e6,
+                    info.size_bytes / max(raw_bytes, 1), seconds)
+
+    def _record_failure(self, exc: OSError) -> None:
+        reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
+        self.metrics.snapshot_failures.labels(reason).inc()
+        if reason not in self._logged_failures:
+            self._logged_failures.add(reason)
+            logger.error("snapshot write failed (%s): %s; training goes on with the snapshots it has "
+                         "(further failures of this kind are only counted)", reason, exc)
+
+    def _apply_retention(self) -> None:
+        with self._lock:
+            keep = {"hot": self.cfg.keep_hot, "cold": self.cfg.keep_cold}
+            ordered = sorted(self._snapshots, key=lambda s: (s.outer_step, s.inner_step, s.created_at),
+                             reverse=True)
+            kept, seen = [], {"hot": 0, "cold": 0}
+            for info in ordered:
+                seen[info.kind] += 1
+                if seen[info.kind] <= keep[info.kind]:
+                    kept.append(info)
+                else:
+                    info.path.unlink(missing_ok=True)
+            self._snapshots = sorted(kept, key=lambda s: (s.outer_step, s.inner_step, s.created_at))
+
+    # ----- the catalog -----
+
+    def adopt_existing(self, verify: Callable[[Path, str], bool] | None = None) -> list[SnapshotInfo]:
+        """Take the snapshot files already in the directory into the catalog, newest first.
+
+        Files whose hash does not match their name are renamed `*.corrupt` (kept, not deleted) and
+        logged once each. `verify` defaults to a sha256 check of the whole file.
+        """
+        check = verify or (lambda path, sid: sha256_file(path) == sid)
+        adopted: list[SnapshotInfo] = []
+        for path in iter_snapshot_files(self.cfg.directory):
+            info = _safe_info(path)
+            if info is None or not check(path, info.snapshot_id):
+                quarantine(path, "its sha256 does not match its name or its header is unreadable")
+                continue
+            adopted.append(info)
+        with self._lock:
+            self._snapshots = sorted(adopted, key=lambda s: (s.outer_step, s.inner_step, s.created_at))
+        return adopted
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        """Complete snapshots, newest last."""
+        with self._lock:
+            return [s for s in self._snapshots if s.path.exists()]
+
+    def find(self, snapshot_id: str | None) -> SnapshotInfo | None:
+        """The snapshot with this id, or the newest for None."""
+        snapshots = self.list_snapshots()
+        if snapshot_id is None:
+            return snapshots[-1] if snapshots else None
+        return next((s for s in snapshots if s.snapshot_id == snapshot_id), None)
+
+    def forget(self, snapshot_id: str) -> None:
+        with self._lock:
+            self._snapshots = [s for s in self._snapshots if s.snapshot_id != snapshot_id]
+
+    def newest_created_at(self) -> float | None:
+        snapshots = self.list_snapshots()
+        return max((s.created_at for s in snapshots), default=None)
+
+
+def _safe_info(path: Path) -> SnapshotInfo | None:
+    try:
+        return info_from_file(path)
+    except (SnapshotError, OSError):
+        return None
+
+
+def quarantine(path: Path, why: str) -> None:
+    """Move a bad snapshot aside (never delete what might be someone's only copy)."""
+    target = path.with_name(path.name + ".corrupt")
+    try:
+        path.rename(target)
+    except OSError:
+        target = path
+    logger.warning("snapshot %s refused: %s; kept as %s", path.name, why, target.name)
+
+
+def _steps(metadata: Mapping[str, Any]) -> str:
+    return f"o{metadata.get('outer_step')}/i{metadata.get('inner_step')}"

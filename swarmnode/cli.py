@@ -1,0 +1,138 @@
+"""The `swarmnode` command. The only module that reads sys.argv and the environment.
+
+Exit codes: 0 done, 2 bad usage or configuration (one line naming the flag and value), 1 other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from swarmnode import faults
+from swarmnode.config import ConfigError, build_run_parser, load_config
+
+logger = logging.getLogger("swarmnode")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="swarmnode", description="Peer-to-peer swarm training node (DiLoCo).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    build_run_parser(sub.add_parser("run", help="run one swarm node until stopped",
+                                    description="Run one swarm node. Every flag also reads SWARMNODE_<NAME> "
+                                    "from the environment; precedence: flag > env > --config file."))
+    status = sub.add_parser("status", help="a node's live state")
+    status.add_argument("address", metavar="HOST:GRPC_PORT")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    fetch = sub.add_parser("fetch", help="fetch a node's snapshot, verified against its sha256")
+    fetch.add_argument("address", metavar="HOST:GRPC_PORT")
+    fetch.add_argument("--snapshot", default="latest", metavar="ID|latest")
+    fetch.add_argument("--out", required=True, type=Path, metavar="FILE")
+    inspect = sub.add_parser("inspect", help="metadata, tensor table and hash check of a snapshot file")
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    export = sub.add_parser("export", help="write a snapshot's weights as a plain safetensors file")
+    export.add_argument("file", type=Path)
+    export.add_argument("--out", required=True, type=Path, metavar="FILE")
+    export.add_argument("--local", action="store_true",
+                        help="export the node's local weights instead of the swarm's global params")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"swarmnode {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _run(args)
+    if args.command == "inspect":
+        from swarmnode.inspection import inspect_command
+
+        return inspect_command(args.file, as_json=args.json)
+    if args.command == "export":
+        from swarmnode.inspection import export_command
+
+        return export_command(args.file, args.out, local=args.local)
+    if args.command == "status":
+        from swarmnode.rpc import status_command
+
+        return status_command(args.address, as_json=args.json)
+    if args.command == "fetch":
+        from swarmnode.rpc import fetch_command
+
+        snapshot = None if args.snapshot in ("latest", "") else args.snapshot
+        return fetch_command(args.address, snapshot, args.out)
+    raise AssertionError(args.command)
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(vars(args), os.environ, args.config)
+    if args.dry_run:
+        print(json.dumps(cfg.redacted(), indent=2, sort_keys=True))
+        return 0
+    try:
+        faults.configure(os.environ.get("SWARMNODE_FAULTS"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    setup_logging(cfg.log_format)
+    from swarmnode.node import Node
+
+    node = Node(cfg)
+    try:
+        node.build()
+    except ConfigError:
+        raise
+    except ValueError as exc:  # bad data or model settings found while building
+        raise ConfigError(str(exc)) from None
+    return asyncio.run(node.run())
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                                 "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(log_format: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+        formatter.converter = time.gmtime
+        handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("SWARMNODE_LOG_LEVEL", "INFO").upper())
+    for noisy in ("kademlia", "rpcudp", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

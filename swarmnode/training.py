@@ -1,0 +1,173 @@
+"""One node's training run: the DiLoCo trainer, its shard loader and its progress, as one state.
+
+Everything here runs on the training thread (never on the event loop). `TrainingRun` knows how to take an
+inner phase, apply an outer step, describe its whole state for a snapshot, and restore from one — its
+own (bitwise: model, both optimizers, global params, RNG, steps and cursor) or a peer's (the swarm's
+global state, with this node's own cursor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from swarmnode import faults
+from swarmnode.data import Corpus, ShardLoader
+from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.metrics import Metrics
+from swarmnode.model import ModelConfig, build_model
+from swarmnode.snapshot import DTYPES, LoadedSnapshot, TensorTemplate
+
+logger = logging.getLogger(__name__)
+
+HELDOUT_BATCHES = 4
+
+
+@dataclass
+class Progress:
+    """Counters that travel in every snapshot's metadata."""
+
+    outer_step: int = 0
+    inner_step: int = 0  # inner steps taken in total
+    round_step: int = 0  # inner steps taken in the current round
+    round_tokens: int = 0  # tokens trained in the current round (the averaging weight)
+    tokens: int = 0
+    last_loss: float | None = None
+    heldout_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a snapshot says about who wrote it and which run it belongs to."""
+
+    run_id: str
+    node_id: str
+    run_digest: str
+    corpus_digest: str
+    model: str
+
+
+def run_digest(model_name: str, model_cfg: ModelConfig, seq_len: int, num_shards: int, seed: int,
+               diloco: DilocoConfig, corpus_digest: str) -> str:
+    """Hash of everything that must agree across a run's nodes for their outer steps to be one."""
+    agreed = {"model": model_name, "model_cfg": asdict(model_cfg), "seq_len": seq_len,
+              "num_shards": num_shards, "seed": seed, "outer_lr": diloco.outer_lr,
+              "outer_momentum": diloco.outer_momentum, "corpus": corpus_digest, "format": 1}
+    return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
+
+
+class TrainingRun:
+    """The trainer + loader + progress of one node; all methods run on the training thread."""
+
+    def __init__(self, model_cfg: ModelConfig, diloco: DilocoConfig, loader: ShardLoader, corpus: Corpus,
+                 identity: RunIdentity, seed: int, device: torch.device, metrics: Metrics) -> None:
+        self.identity, self.loader, self.metrics = identity, loader, metrics
+        self.model = build_model(model_cfg, seed, device)
+        self.trainer = DilocoTrainer(self.model, diloco, device)
+        self.progress = Progress()
+        self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
+        self.tokens_per_second = 0.0
+        self._rate_window: tuple[float, int] = (time.monotonic(), 0)
+
+    # ----- training -----
+
+    def inner_phase(self, max_steps: int, deadline: float | None, stop: threading.Event,
+                    after_step: Callable[[], None]) -> None:
+        """Inner steps until the round has `max_steps`, the deadline passes, or `stop` is set."""
+        p = self.progress
+        while p.round_step < max_steps and not stop.is_set():
+            if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
+                break
+            batch = self.loader.next_batch()
+            loss = self.trainer.inner_step(batch)
+            p.inner_step += 1
+            p.round_step += 1
+            p.round_tokens += batch.num_tokens
+            p.tokens += batch.num_tokens
+            p.last_loss = loss
+            self._count_step(batch.num_tokens, loss)
+            faults.hit("inner_step", p.inner_step)
+            after_step()
+
+    def _count_step(self, tokens: int, loss: float) -> None:
+        m = self.metrics
+        m.inner_steps.inc()
+        m.tokens.inc(tokens)
+        m.loss.set(loss)
+        started, counted = self._rate_window
+        counted += tokens
+        elapsed = time.monotonic() - started
+        if elapsed >= 2.0:
+            self.tokens_per_second = counted / elapsed
+            m.tokens_per_second.set(self.tokens_per_second)
+            started, counted = time.monotonic(), 0
+        self._rate_window = (started, counted)
+
+    def apply_outer(self, averaged: AveragedDelta) -> None:
+        """The outer step, then a new round; the held-out loss of the new global params is measured."""
+        self.trainer.outer_step(averaged)
+        p = self.progress
+        p.outer_step += 1
+        p.round_step = 0
+        p.round_tokens = 0
+        p.heldout_loss = self.trainer.evaluate(self.heldout)
+        self.metrics.outer_steps.inc()
+        self.metrics.outer_step.set(p.outer_step)
+        self.metrics.heldout_loss.set(p.heldout_loss)
+
+    # ----- the state as a snapshot -----
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.trainer.state_tensors()
+
+    def state_metadata(self) -> dict[str, Any]:
+        ident, p = self.identity, self.progress
+        return {
+            "run_id": ident.run_id, "node_id": ident.node_id, "run_digest": ident.run_digest,
+            "corpus_digest": ident.corpus_digest, "model": ident.model,
+            "outer_step": p.outer_step, "inner_step": p.inner_step, "round_step": p.round_step,
+            "round_tokens": p.round_tokens, "tokens": p.tokens, "last_loss": p.last_loss,
+            "heldout_loss": p.heldout_loss, "cursor": self.loader.state_dict(),
+            "global_digest": self.trainer.global_digest(), "optimizer": self.trainer.state_metadata(),
+            "created_at": time.time(),
+        }
+
+    def template(self) -> TensorTemplate:
+        """name -> (dtype, shape) of every tensor a snapshot of this run must hold."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self.state_tensors().items()}
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+
+    def restore_own(self, snapshot: LoadedSnapshot) -> None:
+        """Continue exactly where this node's own snapshot left off (bitwise on CPU)."""
+        meta = snapshot.metadata
+        self.trainer.load_state(snapshot.tensors, meta["optimizer"])
+        self.loader.load_state_dict(meta["cursor"])
+        self._restore_progress(meta, keep_round=True)
+
+    def _restore_progress(self, meta: dict[str, Any], keep_round: bool) -> None:
+        p = self.progress
+        p.outer_step = int(meta["outer_step"])
+        p.inner_step = int(meta["inner_step"])
+        p.tokens = int(meta.get("tokens", 0))
+        p.last_loss = meta.get("last_loss")
+        p.heldout_loss = meta.get("heldout_loss")
+        p.round_step = int(meta["round_step"]) if keep_round else 0
+        p.round_tokens = int(meta["round_tokens"]) if keep_round else 0
+        self.metrics.outer_step.set(p.outer_step)
+
+
+def describe_template(template: TensorTemplate) -> str:
+    total = sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                for dtype, shape in template.values())
+    dtypes = sorted({DTYPES[d] for d, _ in template.values()})
+    return f"{len(template)} tensors, {total / 1e6:.1f} MB ({', '.join(dtypes)})"
