@@ -71,6 +71,10 @@ class TrainingRun:
                  identity: RunIdentity, seed: int, device: torch.device, metrics: Metrics) -> None:
         self.identity, self.loader, self.metrics = identity, loader, metrics
         self.model = build_model(model_cfg, seed, device)
+        # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
+        # of (seed, node) so that a restarted node continues it exactly.
+        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8],
+                                         "little"))
         self.trainer = DilocoTrainer(self.model, diloco, device)
         self.progress = Progress()
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)

@@ -1,0 +1,86 @@
+"""kill -9 at an arbitrary point, restart with the same arguments: the run ends bit-identical."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmnode.recovery import read_receipts
+from swarmnode.snapshot import read_snapshot
+from swarmtest import newest_snapshot
+
+from swarmnode.identity import Identity
+
+# Both runs are the same node (one identity key), so they own the same shard and RNG stream.
+RUN_ARGS = ("--inner-steps", "12", "--hot-every", "5", "--cold-every", "2", "--max-outer-steps", "3",
+            "--keep-hot", "2", "--seed", "3")
+
+
+@pytest.fixture(scope="module")
+def run_args(tmp_path_factory) -> tuple[str, ...]:
+    key = tmp_path_factory.mktemp("identity") / "node.key"
+    Identity.load_or_create(key)
+    return (*RUN_ARGS, "--identity", str(key))
+
+
+def final_state(data_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    loaded = read_snapshot(newest_snapshot(data_dir))
+    return loaded.tensors, loaded.metadata
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, run_args) -> tuple[dict[str, torch.Tensor], dict]:
+    from swarmtest import ProcessReaper
+
+    reaper = ProcessReaper()
+    try:
+        data_dir = tmp_path_factory.mktemp("straight")
+        node = reaper.node(data_dir, run_args).start()
+        assert node.wait(180) == 0, node.log()
+        return final_state(data_dir)
+    finally:
+        reaper.kill_all()
+
+
+def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    tensors, meta = got
+    want_tensors, want_meta = want
+    assert set(tensors) == set(want_tensors)
+    for name, tensor in want_tensors.items():
+        assert torch.equal(tensors[name], tensor), f"{name} differs after the restart"
+    for key in ("outer_step", "inner_step", "cursor", "tokens", "global_digest", "last_loss"):
+        assert meta[key] == want_meta[key], key
+
+
+@pytest.mark.parametrize("fault", ["kill@inner_step#17", "kill@snapshot_halfway#3"])
+def test_killed_run_continues_bit_identically(fault: str, tmp_path: Path, reaper, uninterrupted,
+                                              run_args) -> None:
+    first = reaper.node(tmp_path, run_args, faults=fault).start()
+    assert first.wait(180) == -signal.SIGKILL, first.log()
+    assert not list((tmp_path / "snapshots").glob("*.snap.zst.part")) or fault.startswith("kill@snapshot")
+    second = reaper.node(tmp_path, run_args).start()
+    assert second.wait(180) == 0, second.log()
+    assert_same_run(final_state(tmp_path), uninterrupted)
+    receipts = read_receipts(tmp_path)
+    assert [r["source"] for r in receipts] == ["fresh", "local"]
+    resumed = receipts[-1]
+    assert resumed["snapshot_id"] and resumed["first_loss_after"] is not None
+    assert 0 < resumed["inner_step"] <= 17
+
+
+def test_corrupt_newest_snapshot_falls_back_to_the_previous(tmp_path: Path, reaper, uninterrupted,
+                                                             run_args) -> None:
+    first = reaper.node(tmp_path, run_args, faults="kill@inner_step#23").start()
+    assert first.wait(180) == -signal.SIGKILL
+    newest = newest_snapshot(tmp_path)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    second = reaper.node(tmp_path, run_args).start()
+    assert second.wait(180) == 0, second.log()
+    assert newest.with_name(newest.name + ".corrupt").exists()
+    assert "refused" in second.log()
+    assert_same_run(final_state(tmp_path), uninterrupted)

@@ -1,0 +1,134 @@
+"""Helpers for tests that run real `swarmnode run` processes on 127.0.0.1.
+
+`NodeProcess` starts one node with free ports (port 0), waits for its DATA_DIR/node.json, and is always
+killed by the `reaper` fixture, so no test leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+TINY_ARGS = ("--model", "tiny", "--threads", "1", "--seq-len", "64", "--batch-size", "4",
+             "--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0",
+             "--progress-interval", "3600")
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    """Poll until `predicate()` is truthy; fail with `what` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProcess:
+    """A `swarmnode run` child with its own data dir and log file."""
+
+    def __init__(self, data_dir: Path, args: Sequence[str], faults: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.args = [*TINY_ARGS, "--data-dir", str(self.data_dir), *args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop("SWARMNODE_FAULTS", None)
+        if faults:
+            self.env["SWARMNODE_FAULTS"] = faults
+        self.log_path = self.data_dir / f"node-{int(time.time() * 1000)}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> NodeProcess:
+        (self.data_dir / "node.json").unlink(missing_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmnode.cli", "run", *self.args],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return json.loads((self.data_dir / "node.json").read_text())
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        def ready() -> bool:
+            self._check_alive()
+            return (self.data_dir / "node.json").exists()
+
+        wait_for(ready, timeout_s, f"node in {self.data_dir} to start")
+        return self.info
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+
+    def wait(self, timeout_s: float = 120.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"node did not exit within {timeout_s} s:\n{self.log()[-4000:]}") from None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.info['grpc_port']}"
+
+
+class ProcessReaper:
+    """Collects processes and kills whatever is still alive at the end of a test."""
+
+    def __init__(self) -> None:
+        self.nodes: list[NodeProcess] = []
+
+    def node(self, data_dir: Path, args: Sequence[str], faults: str | None = None,
+             env: dict[str, str] | None = None) -> NodeProcess:
+        node = NodeProcess(data_dir, args, faults, env)
+        self.nodes.append(node)
+        return node
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            try:
+                node.kill()
+            except Exception:  # noqa: BLE001 - best effort cleanup
+                pass
+
+
+def newest_snapshot(data_dir: Path) -> Path:
+    from swarmnode.snapshot import iter_snapshot_files
+
+    files = list(iter_snapshot_files(Path(data_dir) / "snapshots"))
+    assert files, f"no snapshot in {data_dir}"
+    return files[0]

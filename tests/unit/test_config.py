@@ -1,0 +1,86 @@
+"""Configuration: flags, environment twins, TOML, and one-line exit-2 errors for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarmnode.cli import build_parser
+from swarmnode.config import FLAGS, ConfigError, NodeConfig, load_config
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None, toml: Path | None = None) -> NodeConfig:
+    args = build_parser().parse_args(["run", *argv])
+    return load_config(vars(args), env or {}, toml)
+
+
+def test_defaults_follow_the_design() -> None:
+    cfg = parse([])
+    assert (cfg.grpc_port, cfg.dht_port, cfg.metrics_port) == (50051, 8468, 9464)
+    assert (cfg.outer_lr, cfg.outer_momentum) == (0.7, 0.9)
+    assert cfg.identity_path == Path("swarmnode-data/identity.key")
+
+
+def test_precedence_is_flag_over_env_over_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text('inner-steps = 7\nouter_lr = 0.5\nbatch-size = 3\npeers = ["a:1", "b:2"]\n')
+    cfg = parse(["--inner-steps", "9"], {"SWARMNODE_INNER_STEPS": "8", "SWARMNODE_OUTER_LR": "0.6"}, toml)
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.batch_size) == (9, 0.6, 3)
+    assert cfg.peers == ("a:1", "b:2")
+
+
+def test_every_flag_has_an_env_twin() -> None:
+    env = {"SWARMNODE_MATCHMAKING_TIMEOUT": "2.5", "SWARMNODE_PEERS": "node1:8468,10.0.0.2:9",
+           "SWARMNODE_WIRE_DTYPE": "int8", "SWARMNODE_DATA_DIR": "/tmp/x"}
+    cfg = parse([], env)
+    assert cfg.matchmaking_timeout_s == 2.5 and cfg.peers == ("node1:8468", "10.0.0.2:9")
+    assert cfg.wire_dtype == "int8" and cfg.data_dir == Path("/tmp/x")
+    assert all(f.env == "SWARMNODE_" + f.option[2:].replace("-", "_").upper() for f in FLAGS)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--inner-steps", "0"], ["--inner-steps", "x"], ["--outer-lr", "-1"], ["--grpc-port", "70000"],
+    ["--model", "huge"], ["--peers", "nohost"], ["--outer-momentum", "1.5"], ["--layout", "zip"],
+    ["--shard", "20", "--num-shards", "4"], ["--run-id", "a b"], ["--tls-cert", "c.pem"],
+    ["--hot-level", "99"], ["--seq-len", "100000", "--model", "tiny"],
+])
+def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--data-dir", str(tmp_path), *argv],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert argv[0] in lines[0] or argv[-2] in lines[0]
+
+
+def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="SWARMNODE_BATCH_SIZE: .*'-3'"):
+        parse([], {"SWARMNODE_BATCH_SIZE": "-3"})
+    toml = tmp_path / "bad.toml"
+    toml.write_text("no-such-flag = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'no-such-flag'"):
+        parse([], toml=toml)
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--help"], capture_output=True,
+                         text=True, timeout=60, env={"COLUMNS": "200", "PATH": ""})
+    assert out.returncode == 0
+    for flag in FLAGS:
+        assert flag.option in out.stdout, flag.option
+        assert flag.env in out.stdout, flag.env
+
+
+def test_dry_run_prints_config_without_the_token(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--dry-run", "--swarm-token", "s3cret",
+                          "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "s3cret" not in out.stdout + out.stderr
+    assert '"swarm_token": "***"' in out.stdout
+
+
+def test_config_built_in_code_is_validated_too() -> None:
+    with pytest.raises(ConfigError, match="--keep-hot"):
+        NodeConfig(keep_hot=0)
