@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, metavar="FILE")
     export.add_argument("--local", action="store_true",
                         help="export the node's local weights instead of the swarm's global params")
+    bench = sub.add_parser("bench", help="measure this machine: each figure a ratio against a same-run anchor")
+    bench.add_argument("name", choices=["snapshot"], help="which benchmark")
+    bench.add_argument("--model", choices=["tiny", "small", "base"], default="small")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
@@ -85,6 +89,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         snapshot = None if args.snapshot in ("latest", "") else args.snapshot
         return fetch_command(args.address, snapshot, args.out)
+    if args.command == "bench":
+        from swarmnode.bench import BENCHES
+
+        result = BENCHES[args.name](args.model)
+        print(result.to_json() if args.json else result.table())
+        return 0
     raise AssertionError(args.command)
 
 
