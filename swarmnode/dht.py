@@ -1,21 +1,15 @@
-"""The swarm's Kademlia DHT: signed, per-publisher dictionary records (DESIGN.md §3 "DHT records").
+"""The swarm's Kademlia DHT node: publishes its own signed records, reads everyone's (DESIGN.md §3).
 
-What it promises:
+Records, their validation and their storage are ``swarmnode.dht_records``; this module is the network side:
 
-- A key (a str such as ``swarmnode/<run>/snapshots``, hashed to 160 bits with kademlia's ``digest``) holds a
-  dictionary: one entry per publisher, under the publisher's node id (hex). An entry is a JSON object plus
-  ``seq`` and ``expires_at``, signed with the publisher's Ed25519 key. The node id is always derived from the
-  public key the entry carries, never taken from the wire, so nobody can announce for another node.
 - Every entry is validated before it is stored (``rpc_store``) and again in every look-up answer a reader
   receives; failures are dropped and counted through ``on_reject(reason)``, reason one of ``REJECT_REASONS``.
-- Entries merge per publisher on store and on look-up: the higher ``seq`` wins, an equal ``seq`` keeps the
-  entry already held. Each entry is culled at its own ``expires_at``.
 - ``get`` asks the k closest nodes and merges all their answers with the local copy.
 - A node re-announces only its own records (at least every ``ttl/3``, re-signed with a higher ``seq``);
   other nodes' entries live on only while their publishers keep announcing them.
 
-kademlia 2.2.3 flaws this module fixes, by subclassing its ``Server``, ``KademliaProtocol``, ``IStorage``
-and crawlers (never by patching the package):
+kademlia 2.2.3 flaws fixed by subclassing its ``Server``, ``KademliaProtocol``, ``IStorage`` and crawlers
+(never by patching the package):
 
 - one unversioned value per key that any UDP sender overwrites: ``EntryStorage`` merges signed entries;
 - ``get`` returns the local copy or the first answer: ``SwarmDHT.get`` collects and merges all answers;
@@ -26,17 +20,13 @@ and crawlers (never by patching the package):
 - ``bootstrap`` takes IP addresses only: ``SwarmDHT.start`` resolves ``host:port`` names first;
 - a request over 8 KB fails (after the local store) and a reply over ~65 KB is dropped silently: a store
   carries one entry of at most ``MAX_RECORD_BYTES`` and a look-up answer at most ``MAX_ANSWER_ENTRY_BYTES``
-  of entries, the freshest (latest ``expires_at``) first. So a key with more publishers than fit shows a
-  reader only the freshest ones: keys must stay small (one entry per node of a run, pointers only);
+  of entries (about 5 full-size ones or ~20 of 300 bytes), the freshest (latest ``expires_at``) first. So a
+  key with more publishers than fit shows a reader only the freshest ones: keys must stay small (one entry
+  per node of a run, pointers only);
 - ``load_state``/``save_state`` unpickle/pickle: disabled, as are the unsigned ``set``/``get`` paths;
 - a malformed node list or node id in a request or answer raises inside the crawl: validated here;
 - rpcudp sets results on futures a caller had cancelled: ignored here, so look-ups can be cancelled;
 - ``asyncio.get_event_loop`` and fire-and-forget tasks: this module owns its tasks and cancels them on stop.
-
-Limits: an entry is at most ``MAX_RECORD_BYTES`` (1,200) encoded, lives at most ``MAX_TTL_S``; a storing node
-holds at most ``MAX_KEYS_PER_PUBLISHER`` keys per publisher, ``MAX_TOTAL_KEYS`` keys, ``MAX_TOTAL_ENTRIES``
-entries; a look-up answer carries at most ``MAX_ANSWER_ENTRY_BYTES`` of entries (about 5 full-size entries or
-~20 of 300 bytes). An entry that expired less than ``CLOCK_SKEW_S`` ago is dropped without a count.
 
 Not addressed: routing-table node ids are not authenticated (Sybil/eclipse attacks), and kademlia's
 ``RoutingTable.add_contact`` still pings a full bucket's head with a fire-and-forget future.
@@ -45,41 +35,44 @@ Not addressed: routing-table node ids are not authenticated (Sybil/eclipse attac
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import socket
-import struct
 import time
-from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Literal, NoReturn, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
-from kademlia.crawling import NodeSpiderCrawl, SpiderCrawl
+from kademlia.crawling import NodeSpiderCrawl
 from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
-from kademlia.storage import IStorage
-from kademlia.utils import digest
 
-from swarmnode.identity import NODE_ID_BYTES, Identity, node_id_from_public_key, verify_signature
+from swarmnode.dht_records import (
+    MAX_RECORD_BYTES,
+    MAX_SEQ,
+    MAX_TTL_S,
+    MAX_VALUE_BYTES,
+    DHTEntry,
+    EntryRejected,
+    EntryStorage,
+    MergeResult,
+    RejectReason,
+    SignedEntry,
+    decode_and_verify_entry,
+    dht_key,
+    encode_entry,
+    encode_value,
+    merge_entries,
+    sign_entry,
+    to_dht_entry,
+    verify_answers,
+)
+from swarmnode.dht_records import REJECT_REASONS as REJECT_REASONS  # re-exported for callers
+from swarmnode.identity import NODE_ID_BYTES, Identity
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 1200
-"""Largest encoded entry (header + JSON value) that is signed, stored or accepted."""
-MAX_TTL_S = 3600.0
-"""Longest lifetime a publisher may give an entry."""
-CLOCK_SKEW_S = 120.0
-"""Tolerance for publishers' clocks running ahead when checking ``expires_at`` against ``MAX_TTL_S``."""
-MAX_KEYS_PER_PUBLISHER = 64
-"""Keys one publisher may hold entries under, on one storing node."""
-MAX_TOTAL_KEYS = 2048
-"""Keys one storing node holds at most."""
-MAX_TOTAL_ENTRIES = 8192
-"""Entries (all keys, all publishers) one storing node holds at most: ~10 MB worst case."""
 MAX_ANSWER_ENTRY_BYTES = 6000
 """Entry bytes in one look-up answer; with k=20 node contacts the reply stays under ~8 KB."""
 MAX_ANSWER_ITEMS = 64
@@ -89,36 +82,6 @@ MAINTENANCE_INTERVAL_S = 60.0
 _LOOKUP_TIMEOUT_FACTOR = 5
 """A crawl gives up after this many request timeouts and uses what it has."""
 _HANDOFF_BATCH = 8
-
-RejectReason = Literal["bad_signature", "oversized", "expired", "ttl_too_long", "malformed", "quota"]
-REJECT_REASONS: tuple[RejectReason, ...] = (
-    "bad_signature",
-    "oversized",
-    "expired",
-    "ttl_too_long",
-    "malformed",
-    "quota",
-)
-
-# Wire form of an entry: version, public key, signature, seq, expires_at, then the canonical JSON value.
-_WIRE_VERSION = 1
-_HEADER = struct.Struct(">B32s64sQd")
-_SIGN_DOMAIN = b"swarmnode/dht-entry/v1\x00"
-_SEQ_AND_EXPIRY = struct.Struct(">Qd")
-_MAX_SEQ = 2**64 - 1
-
-
-class EntryRejected(ValueError):
-    """An entry failed validation; ``reason`` is one of ``REJECT_REASONS``.
-
-    ``counted`` is False for an entry that expired less than ``CLOCK_SKEW_S`` ago: honest nodes send those
-    when an entry expires in flight or their clocks differ a little, so they are dropped without a count.
-    """
-
-    def __init__(self, reason: RejectReason, counted: bool = True) -> None:
-        super().__init__(reason)
-        self.reason: RejectReason = reason
-        self.counted = counted
 
 
 @dataclass(frozen=True)
@@ -147,263 +110,6 @@ class DHTConfig:
             raise ValueError(f"DHT request timeout {self.request_timeout_s} s must be positive")
         if self.republish_interval_s is not None and self.republish_interval_s <= 0:
             raise ValueError(f"DHT republish interval {self.republish_interval_s} s must be positive")
-
-
-@dataclass(frozen=True)
-class DHTEntry:
-    """One publisher's validated entry under a key."""
-
-    node_id: str
-    value: dict[str, Any]
-    seq: int
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class SignedEntry:
-    """An entry as signed and sent: publisher's raw public key, canonical JSON value, signature."""
-
-    public_key: bytes
-    value_bytes: bytes
-    seq: int
-    expires_at: float
-    signature: bytes
-
-    @property
-    def node_id_hex(self) -> str:
-        return node_id_from_public_key(self.public_key).hex()
-
-
-# --- records: encoding, signing, validation -------------------------------------------------------------
-
-
-def dht_key(key: str) -> bytes:
-    """The 160-bit DHT key of a key string (kademlia's SHA-1 digest)."""
-    dkey: bytes = digest(key)
-    return dkey
-
-
-def encode_value(value: dict[str, Any]) -> bytes:
-    """Canonical JSON (sorted keys, compact, UTF-8) of a JSON object; ValueError if it is not one."""
-    if not isinstance(value, dict):
-        raise ValueError(f"a DHT value must be a JSON object, not {type(value).__name__}")
-    try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"DHT value is not JSON-serialisable: {exc}") from exc
-    return text.encode()
-
-
-def decode_value(value_bytes: bytes) -> dict[str, Any]:
-    """The JSON object in ``value_bytes``; EntryRejected("malformed") otherwise."""
-    try:
-        value = json.loads(value_bytes, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise EntryRejected("malformed") from exc
-    if not isinstance(value, dict):
-        raise EntryRejected("malformed")
-    return value
-
-
-def _refuse_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
-
-
-def signing_message(dkey: bytes, node_id: bytes, value_bytes: bytes, seq: int, expires_at: float) -> bytes:
-    """What a publisher signs: domain prefix, DHT key, subkey (node id), seq, expires_at, value."""
-    assert len(dkey) == NODE_ID_BYTES and len(node_id) == NODE_ID_BYTES
-    return _SIGN_DOMAIN + dkey + node_id + _SEQ_AND_EXPIRY.pack(seq, expires_at) + value_bytes
-
-
-def sign_entry(
-    identity: Identity, dkey: bytes, value_bytes: bytes, seq: int, expires_at: float
-) -> SignedEntry:
-    """Sign ``value_bytes`` under ``dkey`` as ``identity``; checks nothing else (tests craft bad ones)."""
-    message = signing_message(dkey, identity.node_id, value_bytes, seq, expires_at)
-    return SignedEntry(identity.public_key, value_bytes, seq, expires_at, identity.sign(message))
-
-
-def encode_entry(entry: SignedEntry) -> bytes:
-    """The wire form: a fixed binary header followed by the value bytes."""
-    header = _HEADER.pack(_WIRE_VERSION, entry.public_key, entry.signature, entry.seq, entry.expires_at)
-    return header + entry.value_bytes
-
-
-def decode_and_verify_entry(dkey: bytes, blob: object, now: float) -> SignedEntry:
-    """Decode an entry received for ``dkey`` and validate it completely; EntryRejected otherwise.
-
-    The size is checked before anything is decoded, the cheap checks before the signature.
-    """
-    if not isinstance(blob, bytes):
-        raise EntryRejected("malformed")
-    if len(blob) > MAX_RECORD_BYTES:
-        raise EntryRejected("oversized")
-    if len(blob) < _HEADER.size or blob[0] != _WIRE_VERSION:
-        raise EntryRejected("malformed")
-    _, public_key, signature, seq, expires_at = _HEADER.unpack_from(blob)
-    entry = SignedEntry(public_key, blob[_HEADER.size :], seq, expires_at, signature)
-    _check_expiry(expires_at, now)
-    message = signing_message(dkey, node_id_from_public_key(public_key), entry.value_bytes, seq, expires_at)
-    if not verify_signature(public_key, signature, message):
-        raise EntryRejected("bad_signature")
-    decode_value(entry.value_bytes)
-    return entry
-
-
-def _check_expiry(expires_at: float, now: float) -> None:
-    if not math.isfinite(expires_at):
-        raise EntryRejected("malformed")
-    if expires_at <= now:
-        raise EntryRejected("expired", counted=expires_at <= now - CLOCK_SKEW_S)
-    if expires_at > now + MAX_TTL_S + CLOCK_SKEW_S:
-        raise EntryRejected("ttl_too_long")
-
-
-def to_dht_entry(entry: SignedEntry) -> DHTEntry:
-    return DHTEntry(entry.node_id_hex, decode_value(entry.value_bytes), entry.seq, entry.expires_at)
-
-
-def merge_entries(entries: Iterable[SignedEntry]) -> dict[str, SignedEntry]:
-    """Per publisher, the entry with the highest seq; on equal seq the one seen first."""
-    merged: dict[str, SignedEntry] = {}
-    for entry in entries:
-        held = merged.get(entry.node_id_hex)
-        if held is None or entry.seq > held.seq:
-            merged[entry.node_id_hex] = entry
-    return merged
-
-
-def verify_answers(
-    dkey: bytes, blobs: Iterable[object], now: float, on_reject: Callable[[RejectReason], None]
-) -> list[SignedEntry]:
-    """The valid entries among look-up answers (each distinct blob checked once); the rest reported."""
-    valid: list[SignedEntry] = []
-    seen: set[bytes] = set()
-    for blob in blobs:
-        if isinstance(blob, bytes):
-            if blob in seen:
-                continue
-            seen.add(blob)
-        try:
-            valid.append(decode_and_verify_entry(dkey, blob, now))
-        except EntryRejected as exc:
-            if exc.counted:
-                on_reject(exc.reason)
-    return valid
-
-
-# --- storage -----------------------------------------------------------------------------------------------
-
-
-class MergeResult(Enum):
-    STORED = "stored"
-    UNCHANGED = "unchanged"  # the same publisher's entry with an equal seq is already held
-    STALE = "stale"  # a higher seq is already held
-    QUOTA = "quota"
-
-
-class EntryStorage(IStorage):
-    """Verified entries per DHT key: ``{dkey: {publisher node id hex: SignedEntry}}``.
-
-    ``storage[dkey] = entry`` merges one entry (see ``merge``); ``storage[dkey]`` is the key's dictionary.
-    Entries are culled at their own ``expires_at`` (wall clock); quotas bound what senders can make us hold.
-    """
-
-    def __init__(
-        self,
-        max_keys_per_publisher: int = MAX_KEYS_PER_PUBLISHER,
-        max_total_keys: int = MAX_TOTAL_KEYS,
-        max_total_entries: int = MAX_TOTAL_ENTRIES,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._data: dict[bytes, dict[str, SignedEntry]] = {}
-        self._touched: dict[bytes, float] = {}  # monotonic time of each key's last change
-        self._keys_per_publisher: Counter[str] = Counter()
-        self._total_entries = 0
-        self._limits = (max_keys_per_publisher, max_total_keys, max_total_entries)
-        self._clock = clock
-
-    def merge(self, dkey: bytes, entry: SignedEntry) -> MergeResult:
-        """Keep ``entry`` unless its publisher's held entry has an equal or higher seq or a quota is full."""
-        self._cull_key(dkey, self._clock())
-        subkey = entry.node_id_hex
-        held = self._data.get(dkey, {}).get(subkey)
-        if held is not None and entry.seq == held.seq:
-            return MergeResult.UNCHANGED
-        if held is not None and entry.seq < held.seq:
-            return MergeResult.STALE
-        if held is None and not self._has_room(dkey, subkey):
-            self.cull()
-            if not self._has_room(dkey, subkey):
-                return MergeResult.QUOTA
-        if held is None:
-            self._keys_per_publisher[subkey] += 1
-            self._total_entries += 1
-        self._data.setdefault(dkey, {})[subkey] = entry
-        self._touched[dkey] = time.monotonic()
-        return MergeResult.STORED
-
-    def entries(self, dkey: bytes) -> list[SignedEntry]:
-        """The unexpired entries under ``dkey``."""
-        self._cull_key(dkey, self._clock())
-        return list(self._data.get(dkey, {}).values())
-
-    def held_keys(self) -> list[bytes]:
-        self.cull()
-        return list(self._data)
-
-    def cull(self) -> None:
-        """Drop every expired entry."""
-        now = self._clock()
-        for dkey in list(self._data):
-            self._cull_key(dkey, now)
-
-    def _has_room(self, dkey: bytes, subkey: str) -> bool:
-        per_publisher, total_keys, total_entries = self._limits
-        return (
-            self._keys_per_publisher[subkey] < per_publisher
-            and (dkey in self._data or len(self._data) < total_keys)
-            and self._total_entries < total_entries
-        )
-
-    def _cull_key(self, dkey: bytes, now: float) -> None:
-        slot = self._data.get(dkey)
-        if slot is None:
-            return
-        for subkey in [s for s, e in slot.items() if e.expires_at <= now]:
-            del slot[subkey]
-            self._total_entries -= 1
-            self._keys_per_publisher[subkey] -= 1
-            if not self._keys_per_publisher[subkey]:
-                del self._keys_per_publisher[subkey]
-        if not slot:
-            del self._data[dkey]
-            del self._touched[dkey]
-
-    # IStorage
-    def __setitem__(self, key: bytes, value: SignedEntry) -> None:
-        self.merge(key, value)
-
-    def __getitem__(self, key: bytes) -> dict[str, SignedEntry]:
-        self._cull_key(key, self._clock())
-        return dict(self._data[key])
-
-    def get(self, key: bytes, default: Any = None) -> Any:
-        self._cull_key(key, self._clock())
-        return dict(self._data[key]) if key in self._data else default
-
-    def iter_older_than(self, seconds_old: float) -> list[tuple[bytes, SignedEntry]]:
-        """Entries under keys unchanged for ``seconds_old`` seconds (nothing here republishes them)."""
-        self.cull()
-        cutoff = time.monotonic() - seconds_old
-        return [(k, e) for k, slot in self._data.items() if self._touched[k] <= cutoff for e in slot.values()]
-
-    def __iter__(self) -> Iterator[tuple[bytes, SignedEntry]]:
-        self.cull()
-        return iter([(k, e) for k, slot in self._data.items() for e in slot.values()])
-
-    def __len__(self) -> int:
-        return self._total_entries
 
 
 # --- wire helpers -------------------------------------------------------------------------------------------
@@ -602,24 +308,28 @@ class SwarmProtocol(KademliaProtocol):
 
 
 class _NodeCrawl(NodeSpiderCrawl):
-    """kademlia's node crawl, reading contacts defensively."""
+    """kademlia's node crawl, reading answers defensively; ``partial`` is what it found so far."""
 
-    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[Node]:
+    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[Any]:
         dead = [peer for peer, (ok, _) in responses.items() if not ok]
         for ok, answer in responses.values():
             if ok:
-                self.nearest.push(_parse_contacts(answer))
+                self._read(answer)
         self.nearest.remove(dead)
         if self.nearest.have_contacted_all():
-            return list(self.nearest)
-        found: list[Node] = await self.find()
+            return self.partial()
+        found: list[Any] = await self.find()
         return found
 
-    def partial(self) -> list[Node]:
+    def _read(self, answer: object) -> None:
+        self.nearest.push(_parse_contacts(answer))
+
+    def partial(self) -> list[Any]:
+        """The closest live nodes found so far."""
         return list(self.nearest)
 
 
-class _EntryCrawl(SpiderCrawl):
+class _EntryCrawl(_NodeCrawl):
     """Asks every one of the k closest nodes to a key for its entries and keeps all answers (unverified)."""
 
     def __init__(
@@ -628,23 +338,17 @@ class _EntryCrawl(SpiderCrawl):
         super().__init__(protocol, node, peers, ksize, alpha)
         self.blobs: list[object] = []
 
-    async def find(self) -> list[object]:
-        found: list[object] = await self._find(self.protocol.call_find_value)
+    async def find(self) -> list[Any]:
+        found: list[Any] = await self._find(self.protocol.call_find_value)
         return found
 
-    async def _nodes_found(self, responses: dict[bytes, tuple[bool, Any]]) -> list[object]:
-        dead = [peer for peer, (ok, _) in responses.items() if not ok]
-        for ok, answer in responses.values():
-            if ok:
-                blobs, contacts = _parse_value_answer(answer)
-                self.blobs.extend(blobs)
-                self.nearest.push(contacts)
-        self.nearest.remove(dead)
-        if self.nearest.have_contacted_all():
-            return self.blobs
-        return await self.find()
+    def _read(self, answer: object) -> None:
+        blobs, contacts = _parse_value_answer(answer)
+        self.blobs.extend(blobs)
+        self.nearest.push(contacts)
 
-    def partial(self) -> list[object]:
+    def partial(self) -> list[Any]:
+        """Every entry blob answered so far."""
         return self.blobs
 
 
@@ -676,14 +380,14 @@ class _SwarmServer(Server):
         crawls = []
         for node_id in self.protocol.get_refresh_ids():
             target = Node(node_id)
-            nearest = self.protocol.router.find_neighbors(target, self.alpha)
-            crawls.append(self._crawl(_NodeCrawl(self.protocol, target, nearest, self.ksize, self.alpha)))
+            crawls.append(
+                self._crawl(_NodeCrawl, target, self.protocol.router.find_neighbors(target, self.alpha))
+            )
         await asyncio.gather(*crawls)
 
     async def bootstrap(self, addrs: list[tuple[str, int]]) -> list[Node]:
         gathered = await asyncio.gather(*(self.bootstrap_node(addr) for addr in addrs))
-        nodes = [node for node in gathered if node is not None]
-        return await self._crawl(_NodeCrawl(self.protocol, self.node, nodes, self.ksize, self.alpha))
+        return await self._crawl(_NodeCrawl, self.node, [node for node in gathered if node is not None])
 
     async def bootstrap_node(self, addr: tuple[str, int]) -> Node | None:
         ok, node_id = await self.protocol.ping(addr, self.node.id)
@@ -693,23 +397,13 @@ class _SwarmServer(Server):
         """The k closest live nodes to ``dkey``; None when no peer is known at all."""
         target = Node(dkey)
         nearest = self.protocol.router.find_neighbors(target)
-        if not nearest:
-            return None
-        nodes: list[Node] = await self._crawl(
-            _NodeCrawl(self.protocol, target, nearest, self.ksize, self.alpha)
-        )
-        return nodes
+        return await self._crawl(_NodeCrawl, target, nearest) if nearest else None
 
     async def lookup(self, dkey: bytes) -> list[object]:
         """Every entry blob the k closest nodes to ``dkey`` answer with, unverified."""
         target = Node(dkey)
         nearest = self.protocol.router.find_neighbors(target)
-        if not nearest:
-            return []
-        blobs: list[object] = await self._crawl(
-            _EntryCrawl(self.protocol, target, nearest, self.ksize, self.alpha)
-        )
-        return blobs
+        return await self._crawl(_EntryCrawl, target, nearest) if nearest else []
 
     async def store_remote(self, dkey: bytes, entry: SignedEntry) -> bool:
         """Send ``entry`` to the k closest nodes; True if one holds it, or if no peer is known yet."""
@@ -720,13 +414,15 @@ class _SwarmServer(Server):
         results = await asyncio.gather(*(self.protocol.call_store(n, dkey, blob) for n in nodes))
         return any(ok and answer is True for ok, answer in results)
 
-    async def _crawl(self, crawl: _NodeCrawl | _EntryCrawl) -> Any:
-        """Run a crawl for at most ``lookup_timeout_s``; on time-out, what it found so far."""
+    async def _crawl(self, crawl_class: type[_NodeCrawl], target: Node, peers: list[Node]) -> list[Any]:
+        """Crawl from ``peers`` towards ``target`` for at most ``lookup_timeout_s``; then, what it found."""
+        crawl = crawl_class(self.protocol, target, peers, self.ksize, self.alpha)
         try:
             async with asyncio.timeout(self.lookup_timeout_s):
-                return await crawl.find()
+                found: list[Any] = await crawl.find()
+                return found
         except TimeoutError:
-            logger.warning("DHT node %s: crawl for %s timed out", self.node.id.hex(), crawl.node.id.hex())
+            logger.warning("DHT node %s: crawl for %s timed out", self.node.id.hex(), target.id.hex())
             return crawl.partial()
 
     def peer_count(self) -> int:
@@ -847,20 +543,16 @@ class SwarmDHT:
         logger.info("DHT node %s on %s:%d", self._identity.node_id_hex, self._config.host, self.port)
 
     def _make_server(self) -> _SwarmServer:
-        node_id = self._identity.node_id
+        config, storage = self._config, self._storage
         server = _SwarmServer(
             lambda: self.protocol_class(
-                server.node,
-                self._storage,
-                self._config.ksize,
-                self._config.request_timeout_s,
-                self._on_reject,
+                server.node, storage, config.ksize, config.request_timeout_s, self._on_reject
             ),
-            lookup_timeout_s=_LOOKUP_TIMEOUT_FACTOR * self._config.request_timeout_s,
-            ksize=self._config.ksize,
-            alpha=self._config.alpha,
-            node_id=node_id,
-            storage=self._storage,
+            lookup_timeout_s=_LOOKUP_TIMEOUT_FACTOR * config.request_timeout_s,
+            ksize=config.ksize,
+            alpha=config.alpha,
+            node_id=self._identity.node_id,
+            storage=storage,
         )
         return server
 
@@ -896,7 +588,7 @@ class SwarmDHT:
         if not 0 < ttl_s <= MAX_TTL_S:
             raise ValueError(f"DHT record TTL {ttl_s} s is not in (0, {MAX_TTL_S:g}]")
         value_bytes = encode_value(value)
-        if _HEADER.size + len(value_bytes) > MAX_RECORD_BYTES:
+        if len(value_bytes) > MAX_VALUE_BYTES:
             raise ValueError(f"DHT record for {key!r} is over {MAX_RECORD_BYTES} bytes")
         dkey = dht_key(key)
         self._own[dkey] = _OwnRecord(value_bytes, ttl_s, next_due=0.0)
@@ -929,7 +621,7 @@ class SwarmDHT:
 
     def _next_seq(self) -> int:
         """A seq above every one this process used; time-based so it also rises across restarts."""
-        self._last_seq = min(max(time.time_ns(), self._last_seq + 1), _MAX_SEQ)
+        self._last_seq = min(max(time.time_ns(), self._last_seq + 1), MAX_SEQ)
         return self._last_seq
 
     async def _announce(self, server: _SwarmServer, dkey: bytes) -> bool:

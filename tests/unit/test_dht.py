@@ -18,27 +18,25 @@ from hypothesis import strategies as st
 from kademlia.node import Node
 from kademlia.utils import digest
 
-from swarmnode.dht import (
+from swarmnode import dht, dht_records
+from swarmnode.dht import MAX_ANSWER_ENTRY_BYTES, DHTConfig, SwarmDHT, SwarmProtocol, parse_peer
+from swarmnode.dht_records import (
     CLOCK_SKEW_S,
-    MAX_ANSWER_ENTRY_BYTES,
     MAX_RECORD_BYTES,
     MAX_TTL_S,
-    DHTConfig,
     EntryRejected,
     EntryStorage,
     MergeResult,
     SignedEntry,
-    SwarmDHT,
-    SwarmProtocol,
     decode_and_verify_entry,
     dht_key,
     encode_entry,
     encode_value,
     merge_entries,
-    parse_peer,
     sign_entry,
 )
 from swarmnode.identity import Identity
+from swarmnode.metrics import DHT_REJECT_REASONS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -171,6 +169,12 @@ def test_decode_refuses_bad_entry(case: str) -> None:
     with pytest.raises(EntryRejected) as caught:
         decode_and_verify_entry(DKEY, blob, time.time())
     assert caught.value.reason == reason
+
+
+def test_dht_reexports_the_record_names_callers_use() -> None:
+    assert dht.DHTEntry is dht_records.DHTEntry
+    assert dht.REJECT_REASONS is dht_records.REJECT_REASONS
+    assert set(dht.REJECT_REASONS) == set(DHT_REJECT_REASONS)  # every reason has a pre-registered label
 
 
 # --- storage ---------------------------------------------------------------------------------------------
