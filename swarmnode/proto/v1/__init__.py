@@ -1,0 +1,1 @@
+"""Stubs for the `swarmnode.v1` protobuf package."""
