@@ -140,8 +140,10 @@ def setup_logging(log_format: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("SWARMNODE_LOG_LEVEL", "INFO").upper())
-    for noisy in ("kademlia", "rpcudp", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # A peer that does not answer a UDP request in time is routine in a swarm; rpcudp logs it as ERROR.
+    logging.getLogger("rpcudp").setLevel(logging.CRITICAL)
+    for noisy in ("kademlia", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":

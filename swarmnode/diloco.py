@@ -198,7 +198,13 @@ class DilocoTrainer:
                 "betas": list(self.cfg.betas), "grad_clip": self.cfg.grad_clip}
 
     @torch.no_grad()
-    def load_state(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    def reset_local_to_global(self) -> None:
+        """θ ← θ_g everywhere (a node adopting the swarm's state starts its round from it)."""
+        self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
+
+    @torch.no_grad()
+    def load_state(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
+                   restore_rng: bool = True) -> None:
         """Restore from tensors named as by `state_tensors()` (shapes already checked by the reader)."""
         live = self.state_tensors()
         missing = sorted(set(live) - set(tensors))
@@ -211,7 +217,8 @@ class DilocoTrainer:
         step = float(metadata["adam_step"])
         for p in self.params:
             self.inner_opt.state[p]["step"] = torch.tensor(step)
-        restore_rng_state(tensors)
+        if restore_rng:
+            restore_rng_state(tensors)
 
 
 def _slots(named: list[tuple[str, nn.Parameter]]) -> list[ParamSlot]:

@@ -97,3 +97,12 @@ def _act(fault: Fault, count: int) -> Fault | None:
     else:
         return fault
     return None
+
+
+def armed(point: str) -> bool:
+    """Whether any fault targets `point` (lets callers skip setting up a hook)."""
+    return any(f.point == point for f in _faults)
+
+
+def find(action: str, point: str) -> Fault | None:
+    return next((f for f in _faults if f.action == action and f.point == point), None)

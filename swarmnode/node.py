@@ -9,6 +9,8 @@ pid) so scripts and tests learn the ports it picked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -19,17 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from prometheus_client import start_http_server
 
+from swarmnode import faults, rpc
+from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.config import ConfigError, NodeConfig
 from swarmnode.data import ShardLoader, load_corpus, shard_for_node
+from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.diloco import Averager, DilocoConfig, SoloAverager
 from swarmnode.identity import Identity
 from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
-from swarmnode.recovery import Receipt, append_receipt, restore_local
+from swarmnode.recovery import Receipt, Recovery, append_receipt
 from swarmnode.snapshot import SnapshotInfo, sha256_file
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
 
@@ -56,6 +60,8 @@ class Node:
         self._stop = threading.Event()
         self._pending_receipt: Receipt | None = None
         self.averager: Averager = SoloAverager()
+        self._ignored_runs: set[str] = set()
+        self._announce_task: asyncio.Task[None] | None = None
 
     # ----- building -----
 
@@ -92,20 +98,21 @@ class Node:
     async def run(self) -> int:
         """Serve, recover, train rounds until done or stopped; `build()` must have run."""
         self._install_signal_handlers()
-        metrics_server = self._start_metrics()
-        try:
+        self.loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as services:
+            await self._start_services(services)
             self._write_node_file()
-            await asyncio.to_thread(self._recover)
+            await self._recover()
             reporter = asyncio.create_task(self._report_progress())
             try:
                 await self._round_loop()
             finally:
                 reporter.cancel()
             await asyncio.to_thread(self._final_snapshot)
-        finally:
+            if self._pending_receipt is not None:  # stopped before a single inner step
+                self._write_receipt(self._pending_receipt)
+            await self._flush_announcement()
             self.phase = "stopping"
-            await asyncio.to_thread(self.checkpointer.close)
-            metrics_server.shutdown()
         logger.info("node %s stopped at outer step %d, inner step %d", self.node_id[:12],
                     self.run_state.progress.outer_step, self.run_state.progress.inner_step)
         return 0
@@ -171,28 +178,104 @@ class Node:
         self.checkpointer.wait_idle()
 
     def _on_snapshot_written(self, info: SnapshotInfo) -> None:
-        """Called on the writer thread after each snapshot (announcing lands with the DHT)."""
+        """Called on the writer thread after each snapshot: announce it from the event loop."""
+        self.loop.call_soon_threadsafe(self._schedule_announcement, info)
+
+    def _schedule_announcement(self, info: SnapshotInfo) -> None:
+        previous = self._announce_task
+        self._announce_task = asyncio.create_task(self._announce(info, previous))
+
+    async def _announce(self, info: SnapshotInfo, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None and not previous.done():
+            previous.cancel()  # a newer snapshot supersedes it
+            with contextlib.suppress(asyncio.CancelledError):
+                await previous
+        announcement = Announcement(
+            self.node_id, f"{self.cfg.advertised_host}:{self.ports.grpc}", info.snapshot_id, info.size_bytes,
+            info.outer_step, info.inner_step, info.kind, info.created_at, self.run_state.identity.run_digest,
+            info.cursor)
+        try:
+            await self.dht.publish(snapshots_key(self.cfg.run_id), announcement.to_value(), ANNOUNCE_TTL_S)
+        except ValueError as exc:  # a record over the size cap is a bug, but must not stop training
+            logger.error("announcement of %s refused locally: %s", info.snapshot_id[:12], exc)
+
+    async def _flush_announcement(self) -> None:
+        task = self._announce_task
+        if task is not None and not task.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, timeout=5.0)
 
     # ----- recovery -----
 
-    def _recover(self) -> None:
+    async def _recover(self) -> None:
         self.phase = "recovering"
-        restored = restore_local(self.run_state, self.cfg.snapshot_dir)
-        verified = restored[1] if restored else set()
-        self.checkpointer.adopt_existing(
-            verify=lambda path, sid: sid in verified or _sha_matches(path, sid))
-        if restored is None:
-            receipt = Receipt(source="fresh", cursor=self.run_state.loader.state_dict())
-            logger.info("no snapshot to resume from: starting shard %d afresh",
-                        self.run_state.loader.shard)
-        else:
-            receipt = restored[0]
-            logger.info("resumed from own snapshot %s at outer step %d, inner step %d in %.2f s",
-                        receipt.snapshot_id and receipt.snapshot_id[:12], receipt.outer_step,
-                        receipt.inner_step, receipt.seconds)
+        started = time.perf_counter()
+        peers, own = await self._lookup_announcements()
+        lookup_s = time.perf_counter() - started
+        recovery = Recovery(self.run_state, self.cfg.snapshot_dir, self._fetch_for_recovery,
+                            lambda reason: self.metrics.fetch_failures.labels(reason).inc())
+        receipt = await recovery.recover(peers, own, lookup_s)
+        receipt.seconds = time.perf_counter() - started
+        verified = recovery.verified
+        await asyncio.to_thread(self.checkpointer.adopt_existing,
+                                lambda path, sid: sid in verified or sha256_file(path) == sid)
+        self._log_recovery(receipt)
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
         self._pending_receipt = receipt
+        if receipt.source == "peer":  # keep the adopted state on local disk at once
+            await asyncio.to_thread(self._snapshot, "hot")
+
+    def _log_recovery(self, receipt: Receipt) -> None:
+        if receipt.source == "fresh":
+            logger.info("no snapshot to resume from: starting at outer step 0 with %s cursor %s",
+                        receipt.cursor_source, receipt.cursor)
+        else:
+            logger.info("recovered from %s snapshot %s%s at outer step %d, inner step %d in %.2f s "
+                        "(cursor %s from %s)", receipt.source, (receipt.snapshot_id or "")[:12],
+                        f" of {receipt.peer}" if receipt.peer else "", receipt.outer_step,
+                        receipt.inner_step, receipt.seconds, receipt.cursor, receipt.cursor_source)
+
+    async def _lookup_announcements(self) -> tuple[list[Announcement], Announcement | None]:
+        """Peers' announcements usable for recovery, and this node's own last one (for its cursor)."""
+        if not self.cfg.peers:
+            return [], None
+        entries = await self.dht.get(snapshots_key(self.cfg.run_id))
+        peers: list[Announcement] = []
+        own = None
+        for node_id, entry in entries.items():
+            announcement = Announcement.from_value(node_id, entry.value)
+            if announcement is None:
+                logger.warning("ignoring a malformed announcement from %s", node_id[:12])
+            elif node_id == self.node_id:
+                own = announcement
+            elif self._same_run(announcement):
+                peers.append(announcement)
+        return peers, own
+
+    def _same_run(self, announcement: Announcement) -> bool:
+        if announcement.run_digest == self.run_state.identity.run_digest:
+            return True
+        if announcement.node_id not in self._ignored_runs:
+            self._ignored_runs.add(announcement.node_id)
+            logger.warning("peer %s (%s) runs another configuration (run digest %s… vs ours %s…): "
+                           "not using it", announcement.node_id[:12], announcement.address,
+                           announcement.run_digest[:12], self.run_state.identity.run_digest[:12])
+        return False
+
+    async def _fetch_for_recovery(self, peer: Announcement, target: Path) -> str:
+        """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
+        (a node keeps training after it announces); returns the id of what was fetched and verified."""
+        limit = int(self.run_state.state_bytes() * 1.25) + (4 << 20)
+        fetch = functools.partial(rpc.fetch_snapshot, peer.address, target, max_bytes=limit,
+                                  on_bytes=self.metrics.fetch_bytes.inc)
+        try:
+            result = await fetch(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)
+        except rpc.PeerUnavailable as exc:
+            if exc.reason != "refused":
+                raise
+            result = await fetch()  # the newest it serves; still verified against its own id
+        return result.snapshot_id
 
     def _write_receipt(self, receipt: Receipt) -> None:
         append_receipt(self.cfg.data_dir, receipt)
@@ -200,12 +283,34 @@ class Node:
 
     # ----- services -----
 
-    def _start_metrics(self) -> Any:
-        server, _thread = start_http_server(self.cfg.metrics_port, addr=self.cfg.host,
-                                            registry=self.metrics.registry)
-        self.ports.metrics = server.server_port
-        logger.info("metrics on http://%s:%d/metrics", self.cfg.host, self.ports.metrics)
-        return server
+    async def _start_services(self, services: contextlib.AsyncExitStack) -> None:
+        """Metrics, gRPC and the DHT; each is stopped by `services` on every way out."""
+        cfg = self.cfg
+        metrics_server, _thread = start_http_server(cfg.metrics_port, addr=cfg.host,
+                                                    registry=self.metrics.registry)
+        services.callback(metrics_server.shutdown)
+        self.ports.metrics = metrics_server.server_port
+        services.push_async_callback(asyncio.to_thread, self.checkpointer.close)
+        self.rpc_server = await rpc.start_server(
+            cfg.host, cfg.grpc_port, self.checkpointer, self.rpc_status, max_serving=cfg.max_serving,
+            on_served=self._on_served, faults=_serve_faults())
+        services.push_async_callback(self.rpc_server.stop, 1.0)
+        self.ports.grpc = self.rpc_server.port
+        self.dht = SwarmDHT(self.identity, DHTConfig(host=cfg.host, port=cfg.dht_port),
+                            on_reject=lambda reason: self.metrics.dht_rejected.labels(reason).inc())
+        await self.dht.start(cfg.peers)
+        services.push_async_callback(self.dht.stop)
+        self.ports.dht = self.dht.port
+        self.metrics.dht_peers.set_function(self.dht.peer_count)
+        logger.info("listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
+                    cfg.host, self.ports.grpc, self.ports.dht, cfg.host, self.ports.metrics,
+                    cfg.advertised_host)
+
+    def _on_served(self, snapshot_id: str) -> None:
+        self.metrics.snapshots_served.inc()
+        info = self.checkpointer.find(snapshot_id)
+        if info is not None:
+            self.metrics.served_bytes.inc(info.size_bytes)
 
     def _write_node_file(self) -> None:
         info = {"node_id": self.node_id, "pid": os.getpid(), "run_id": self.cfg.run_id,
@@ -228,17 +333,34 @@ class Node:
         age = f"{time.time() - created:.0f}s" if created else "none"
         loss = f"{p.last_loss:.4f}" if p.last_loss is not None else "-"
         return (f"round {p.outer_step} step {p.round_step}/{self.cfg.inner_steps} loss {loss} "
-                f"tok/s {self.run_state.tokens_per_second:.0f} peers 0 snapshot {age}")
+                f"tok/s {self.run_state.tokens_per_second:.0f} peers {self.dht.peer_count()} "
+                f"snapshot {age}")
 
-    def status(self) -> dict[str, Any]:
+    def rpc_status(self) -> rpc.NodeStatus:
         run = self.run_state
         p = run.progress
-        return {"node_id": self.node_id, "run_id": self.cfg.run_id, "phase": self.phase,
-                "outer_step": p.outer_step, "inner_step": p.inner_step, "last_loss": p.last_loss,
-                "tokens_per_s": run.tokens_per_second, "cursor": run.loader.state_dict(),
-                "global_digest": run.trainer.global_digest(), "uptime_s": time.time() - self.started_at,
-                "device": str(next(run.model.parameters()).device), "torch": torch.__version__}
+        cursor = run.loader.state_dict()
+        return rpc.NodeStatus(
+            node_id=self.node_id, run_id=self.cfg.run_id, phase=self.phase,
+            uptime_s=time.time() - self.started_at, outer_step=p.outer_step, inner_step=p.inner_step,
+            last_loss=p.last_loss, tokens_per_s=run.tokens_per_second,
+            cursor=rpc.CursorStatus(cursor["shard"], cursor["epoch"], cursor["position"]),
+            peers=self.dht.peer_count(), global_digest=run.trainer.global_digest())
 
 
+def _serve_faults() -> rpc.ServeFaults | None:
+    """Test-only misbehaviour of the snapshot server, from SWARMNODE_FAULTS (inert when unset)."""
+    if not faults.armed("serve_chunk") and not faults.armed("serve_stream"):
+        return None
+
+    def chunk_filter(offset: int, data: bytes) -> bytes:
+        fault = faults.hit("serve_chunk")
+        if fault is not None and fault.action == "corrupt" and data:
+            return bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    truncate = faults.find("truncate", "serve_stream")
+    return rpc.ServeFaults(chunk_filter=chunk_filter,
+                           cut_at_offset=int(truncate.arg or 1 << 20) if truncate else None)
 def _sha_matches(path: Path, snapshot_id: str) -> bool:
     return sha256_file(path) == snapshot_id

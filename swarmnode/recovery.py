@@ -1,26 +1,47 @@
 """Coming back after a crash: pick the freshest verified state, restore it, and leave a receipt.
 
+Candidates are this node's own snapshot files and the snapshots its peers announced in the DHT (same
+run digest only), tried freshest first (outer step, then inner step; own snapshot on a tie). A candidate
+that fails (unreachable, refused, hash mismatch, truncated, malformed) is counted and the next one is
+tried. Nothing local changes before a new state has been fully read and verified.
+
+The node's own data cursor comes from its own snapshot when that is what it restored; otherwise from the
+freshest of its own last DHT announcement and its own older snapshots; else it starts its shard afresh.
+
 A receipt is one JSON line appended to DATA_DIR/receipts.jsonl per start: where the state came from,
-which snapshot, how long each stage took, the cursor used, and the first loss after vs. the loss the
-snapshot recorded, so an operator can see that a restart continued rather than started over.
+which snapshot, the seconds of each stage (look-up, fetch, verify, load), the cursor used, and the first
+loss after vs. the loss the snapshot recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmnode.announcements import Announcement
 from swarmnode.checkpointer import quarantine
-from swarmnode.snapshot import SnapshotError, iter_snapshot_files, parse_snapshot_name, read_snapshot
+from swarmnode.snapshot import (
+    SnapshotError,
+    iter_snapshot_files,
+    parse_snapshot_name,
+    read_header,
+    read_snapshot,
+)
 from swarmnode.training import TrainingRun
 
 logger = logging.getLogger(__name__)
 
 RECEIPTS_FILE = "receipts.jsonl"
+
+Fetcher = Callable[[Announcement, Path], Awaitable[str]]
+"""Downloads a peer's announced (or newer) snapshot to a path, verified against its id, and returns the
+id; raises on any failure with an exception that has a `reason` attribute (see rpc.PeerUnavailable)."""
 
 
 @dataclass
@@ -37,44 +58,164 @@ class Receipt:
     seconds: float = 0.0
     loss_before: float | None = None
     first_loss_after: float | None = None
+    failed_candidates: list[str] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
 
-def restore_local(run: TrainingRun, snapshot_dir: Path) -> tuple[Receipt, set[str]] | None:
-    """Restore the newest of this node's own snapshots that verifies; corrupt ones are set aside.
+@dataclass(frozen=True)
+class Candidate:
+    outer_step: int
+    inner_step: int
+    path: Path | None = None  # own snapshot file
+    announcement: Announcement | None = None  # a peer's
 
-    Returns the receipt and the ids verified on the way, or None when no usable snapshot exists.
-    """
-    template = run.template()
-    verified: set[str] = set()
-    for path in iter_snapshot_files(snapshot_dir):
-        parsed = parse_snapshot_name(path.name)
-        assert parsed is not None
+    @property
+    def rank(self) -> tuple[int, int, bool]:
+        return self.outer_step, self.inner_step, self.path is not None
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return f"own snapshot {self.path.name[:40]}"
+        assert self.announcement is not None
+        return f"{self.announcement.address} snapshot {self.announcement.snapshot_id[:12]}"
+
+
+@dataclass(frozen=True)
+class CursorChoice:
+    cursor: dict[str, int] | None
+    source: str
+    steps: tuple[int, int]  # (inner_step, tokens) of this node as of that cursor
+
+
+class Recovery:
+    """One start's recovery: candidates in, a restored `TrainingRun` and a receipt out."""
+
+    def __init__(self, run: TrainingRun, snapshot_dir: Path, fetch: Fetcher,
+                 on_failure: Callable[[str], None]) -> None:
+        self.run, self.snapshot_dir, self.fetch, self.on_failure = run, snapshot_dir, fetch, on_failure
+        self.verified: set[str] = set()
+
+    def local_candidates(self) -> list[Candidate]:
+        candidates = []
+        for path in iter_snapshot_files(self.snapshot_dir):
+            _, outer, inner, _ = parse_snapshot_name(path.name)  # type: ignore[misc]
+            candidates.append(Candidate(outer, inner, path=path))
+        return candidates
+
+    async def recover(self, peers: list[Announcement], own: Announcement | None, lookup_s: float) -> Receipt:
+        candidates = sorted(self.local_candidates() + [Candidate(a.outer_step, a.inner_step, announcement=a)
+                                                       for a in peers], key=lambda c: c.rank, reverse=True)
+        failed: list[str] = []
+        for candidate in candidates:
+            receipt = await self._try(candidate, own, failed)
+            if receipt is not None:
+                receipt.stages_s["lookup"] = lookup_s
+                receipt.failed_candidates = failed
+                return receipt
+        cursor = await asyncio.to_thread(self._own_cursor, own)
+        if cursor.cursor is not None:
+            self.run.loader.load_state_dict(cursor.cursor)
+            self.run.progress.inner_step, self.run.progress.tokens = cursor.steps
+        return Receipt(source="fresh", cursor=self.run.loader.state_dict(), cursor_source=cursor.source,
+                       stages_s={"lookup": lookup_s}, failed_candidates=failed)
+
+    async def _try(self, candidate: Candidate, own: Announcement | None, failed: list[str]) -> Receipt | None:
+        try:
+            if candidate.path is not None:
+                return await asyncio.to_thread(self._restore_local, candidate.path)
+            assert candidate.announcement is not None
+            return await self._restore_peer(candidate.announcement, own)
+        except SnapshotError as exc:
+            if candidate.path is not None:
+                quarantine(candidate.path, str(exc))
+            else:
+                self.on_failure("invalid")
+            failed.append(f"{candidate.describe()}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any peer failure: count it, try the next candidate
+            reason = getattr(exc, "reason", None)
+            if reason is None:
+                raise
+            self.on_failure(reason)
+            failed.append(f"{candidate.describe()}: {exc}")
+        logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
+        return None
+
+    def _restore_local(self, path: Path) -> Receipt:
+        snapshot_id = parse_snapshot_name(path.name)[3]  # type: ignore[index]
+        started = time.perf_counter()
+        loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
+        self.verified.add(loaded.snapshot_id)
+        if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
+            raise SnapshotError("it belongs to another run configuration (run digest differs)")
+        verified = time.perf_counter()
+        self.run.restore_own(loaded)
+        done = time.perf_counter()
+        return Receipt(source="local", snapshot_id=loaded.snapshot_id, bytes=path.stat().st_size,
+                       outer_step=self.run.progress.outer_step, inner_step=self.run.progress.inner_step,
+                       cursor=self.run.loader.state_dict(), cursor_source="own_snapshot",
+                       stages_s={"verify": verified - started, "load": done - verified},
+                       seconds=done - started, loss_before=loaded.metadata.get("last_loss"))
+
+    async def _restore_peer(self, peer: Announcement, own: Announcement | None) -> Receipt:
+        incoming = self.snapshot_dir / ".incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        target = incoming / f"from-{peer.node_id}.snap.zst"
         started = time.perf_counter()
         try:
-            loaded = read_snapshot(path, expected_id=parsed[3], template=template)
-        except SnapshotError as exc:
-            quarantine(path, str(exc))
-            continue
-        verified.add(loaded.snapshot_id)
-        if loaded.metadata.get("run_digest") != run.identity.run_digest:
-            logger.warning("snapshot %s belongs to another run configuration; not resuming from it",
-                           path.name)
-            continue
-        load_started = time.perf_counter()
-        run.restore_own(loaded)
+            snapshot_id = await self.fetch(peer, target)
+            fetched = time.perf_counter()
+            receipt = await asyncio.to_thread(self._load_peer_file, peer, snapshot_id, own, target)
+        finally:
+            target.unlink(missing_ok=True)
+        receipt.stages_s["fetch"] = fetched - started
+        receipt.seconds = time.perf_counter() - started
+        return receipt
+
+    def _load_peer_file(self, peer: Announcement, snapshot_id: str, own: Announcement | None,
+                        path: Path) -> Receipt:
+        started = time.perf_counter()
+        loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
+        if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
+            raise SnapshotError("its run digest differs from the one it announced")
+        verified = time.perf_counter()
+        cursor = self._own_cursor(own)
+        self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)
         done = time.perf_counter()
-        receipt = Receipt(
-            source="local", snapshot_id=loaded.snapshot_id, bytes=path.stat().st_size,
-            outer_step=run.progress.outer_step, inner_step=run.progress.inner_step,
-            cursor=run.loader.state_dict(), cursor_source="own_snapshot",
-            stages_s={"read_verify": load_started - started, "load": done - load_started},
-            seconds=done - started, loss_before=loaded.metadata.get("last_loss"))
-        return receipt, verified
-    return None
+        if cursor.cursor is None:
+            logger.info("no cursor of this node's own survives: starting shard %d afresh",
+                        self.run.loader.shard)
+        return Receipt(source="peer", snapshot_id=loaded.snapshot_id, peer=peer.address,
+                       bytes=path.stat().st_size, outer_step=self.run.progress.outer_step,
+                       inner_step=self.run.progress.inner_step, cursor=self.run.loader.state_dict(),
+                       cursor_source=cursor.source, stages_s={"verify": verified - started,
+                                                              "load": done - verified},
+                       loss_before=loaded.metadata.get("last_loss"))
+
+    def _own_cursor(self, own: Announcement | None) -> CursorChoice:
+        """The freshest cursor of this node's own: its last announcement or an own snapshot's header."""
+        best = CursorChoice(None, "fresh", (0, 0))
+        best_steps: tuple[int, int] = (-1, -1)
+        if own is not None and own.cursor is not None and own.cursor["shard"] == self.run.loader.shard:
+            best, best_steps = CursorChoice(own.cursor, "announcement", (own.inner_step, 0)), own.freshness
+        for candidate in self.local_candidates():
+            if (candidate.outer_step, candidate.inner_step) <= best_steps:
+                break
+            meta = _header_metadata(candidate.path)  # type: ignore[arg-type]
+            cursor = meta.get("cursor") if meta else None
+            if cursor and cursor.get("shard") == self.run.loader.shard:
+                steps = (int(meta.get("inner_step", 0)), int(meta.get("tokens", 0)))  # type: ignore[union-attr]
+                return CursorChoice(cursor, "own_snapshot", steps)
+        return best
+
+
+def _header_metadata(path: Path) -> dict[str, Any] | None:
+    try:
+        return read_header(path).metadata
+    except (SnapshotError, OSError):
+        return None
 
 
 def append_receipt(data_dir: Path, receipt: Receipt) -> None:

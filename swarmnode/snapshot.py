@@ -74,6 +74,7 @@ class SnapshotInfo:
     layout: str  # "planes" | "plain"
     run_id: str
     node_id: str
+    cursor: dict[str, int] | None = None  # the writer's data cursor (DESIGN.md §4)
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,8 @@ def write_snapshot(
         tmp.unlink(missing_ok=True)
         raise
     info = SnapshotInfo(snapshot_id, final, sink.size, metadata["outer_step"], metadata["inner_step"], kind,
-                        metadata["created_at"], layout, metadata["run_id"], metadata["node_id"])
+                        metadata["created_at"], layout, metadata["run_id"], metadata["node_id"],
+                        metadata.get("cursor"))
     return info, raw_bytes
 
 
@@ -531,7 +533,7 @@ def info_from_file(path: Path) -> SnapshotInfo | None:
     meta = read_header(path).metadata
     return SnapshotInfo(snapshot_id, path, path.stat().st_size, outer, inner, kind,
                         float(meta.get("created_at", 0.0)), str(meta.get("layout", "")),
-                        str(meta.get("run_id", "")), str(meta.get("node_id", "")))
+                        str(meta.get("run_id", "")), str(meta.get("node_id", "")), meta.get("cursor"))
 
 
 def iter_snapshot_files(directory: Path) -> Iterator[Path]:

@@ -158,6 +158,19 @@ class TrainingRun:
         self.loader.load_state_dict(meta["cursor"])
         self._restore_progress(meta, keep_round=True)
 
+    def restore_from_peer(self, snapshot: LoadedSnapshot, cursor: dict[str, int] | None,
+                          own_steps: tuple[int, int]) -> None:
+        """Adopt the swarm's state from a peer's snapshot: global params, outer momentum and the inner
+        optimizer's moments (a warm start); the local model restarts the round from the global params,
+        the RNG stays this node's own, and the data position is this node's `cursor` (None: afresh)."""
+        meta = snapshot.metadata
+        self.trainer.load_state(snapshot.tensors, meta["optimizer"], restore_rng=False)
+        self.trainer.reset_local_to_global()
+        if cursor is not None:
+            self.loader.load_state_dict(cursor)
+        self._restore_progress(meta, keep_round=False)
+        self.progress.inner_step, self.progress.tokens = own_steps
+
     def _restore_progress(self, meta: dict[str, Any], keep_round: bool) -> None:
         p = self.progress
         p.outer_step = int(meta["outer_step"])

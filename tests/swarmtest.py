@@ -55,6 +55,13 @@ class NodeProcess:
         self.log_path = self.data_dir / f"node-{int(time.time() * 1000)}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def restart(self, faults: str | None = None) -> NodeProcess:
+        """Start again with the same arguments (and these faults, by default none)."""
+        self.env.pop("SWARMNODE_FAULTS", None)
+        if faults:
+            self.env["SWARMNODE_FAULTS"] = faults
+        return self.start()
+
     def start(self) -> NodeProcess:
         (self.data_dir / "node.json").unlink(missing_ok=True)
         log = self.log_path.open("wb")
@@ -132,3 +139,41 @@ def newest_snapshot(data_dir: Path) -> Path:
     files = list(iter_snapshot_files(Path(data_dir) / "snapshots"))
     assert files, f"no snapshot in {data_dir}"
     return files[0]
+
+
+def start_swarm(reaper: ProcessReaper, base: Path, count: int, args: Sequence[str],
+                faults: Sequence[str | None] | None = None) -> list[NodeProcess]:
+    """`count` nodes on loopback: the first starts the swarm, the others bootstrap from its DHT port."""
+    faults = faults or [None] * count
+    first = reaper.node(base / "n0", args, faults[0]).start()
+    dht_port = first.wait_ready()["dht_port"]
+    nodes = [first]
+    for i in range(1, count):
+        nodes.append(reaper.node(base / f"n{i}", [*args, "--peers", f"127.0.0.1:{dht_port}"], faults[i]).start())
+    for node in nodes[1:]:
+        node.wait_ready()
+    return nodes
+
+
+def node_status(node: NodeProcess) -> dict[str, Any]:
+    """`swarmnode status --json` of a running node."""
+    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def scrape(node: NodeProcess) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """A sample's value from a Prometheus exposition (0 when absent)."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
