@@ -41,22 +41,42 @@ class Announcement:
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (short keys: a record must stay under ~1,200 bytes)."""
-        return {"addr": self.address, "id": self.snapshot_id, "size": self.size_bytes, "o": self.outer_step,
-                "i": self.inner_step, "kind": self.kind, "t": round(self.created_at, 3),
-                "run": self.run_digest, "cur": self.cursor}
+        return {
+            "addr": self.address,
+            "id": self.snapshot_id,
+            "size": self.size_bytes,
+            "o": self.outer_step,
+            "i": self.inner_step,
+            "kind": self.kind,
+            "t": round(self.created_at, 3),
+            "run": self.run_digest,
+            "cur": self.cursor,
+        }
 
     @classmethod
     def from_value(cls, node_id: str, value: dict[str, Any]) -> Announcement | None:
         """The announcement in a peer's DHT value, or None when any field is malformed."""
         try:
-            announcement = cls(node_id, str(value["addr"]), str(value["id"]), _count(value["size"]),
-                               _count(value["o"]), _count(value["i"]), str(value["kind"]),
-                               float(value["t"]), str(value["run"]), _cursor(value.get("cur")))
+            announcement = cls(
+                node_id,
+                str(value["addr"]),
+                str(value["id"]),
+                _count(value["size"]),
+                _count(value["o"]),
+                _count(value["i"]),
+                str(value["kind"]),
+                float(value["t"]),
+                str(value["run"]),
+                _cursor(value.get("cur")),
+            )
             parse_host_port(announcement.address)
         except (KeyError, TypeError, ValueError):
             return None
-        ok = _HEX64.match(announcement.snapshot_id) and _HEX64.match(announcement.run_digest) and \
-            announcement.kind in ("hot", "cold")
+        ok = (
+            _HEX64.match(announcement.snapshot_id)
+            and _HEX64.match(announcement.run_digest)
+            and announcement.kind in ("hot", "cold")
+        )
         return announcement if ok else None
 
 

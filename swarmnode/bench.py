@@ -106,8 +106,14 @@ def bench_snapshot(preset_name: str, train_steps: int = 8, repeats: int = 3) -> 
     return result
 
 
-def _stall_vs_memcpy(result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[str, Any], raw: int,
-                     tmp: Path, repeats: int) -> None:
+def _stall_vs_memcpy(
+    result: BenchResult,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    raw: int,
+    tmp: Path,
+    repeats: int,
+) -> None:
     source = np.empty(raw, dtype=np.uint8)
     target = np.empty(raw, dtype=np.uint8)
     source.fill(1)
@@ -131,15 +137,18 @@ def _stall_vs_memcpy(result: BenchResult, tensors: dict[str, torch.Tensor], meta
     result.ratio("stall / memcpy", stall / memcpy, "target ≤ 1.5")
 
 
-def _layouts(result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[str, Any], raw: int,
-             tmp: Path) -> None:
+def _layouts(
+    result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[str, Any], raw: int, tmp: Path
+) -> None:
     speeds: dict[str, float] = {}
     for layout in ("planes", "plain"):
         started = time.perf_counter()
         info, _ = write_snapshot(tmp / layout, tensors, meta, kind="hot", layout=layout, level=1)
         seconds = time.perf_counter() - started
         speeds[layout] = raw / seconds
-        result.add(f"write {layout} (zstd-1)", raw / seconds / 1e6, "MB/s", f"ratio {info.size_bytes / raw:.3f}")
+        result.add(
+            f"write {layout} (zstd-1)", raw / seconds / 1e6, "MB/s", f"ratio {info.size_bytes / raw:.3f}"
+        )
         started = time.perf_counter()
         read_snapshot(info.path, expected_id=info.snapshot_id)
         result.add(f"read+verify {layout}", raw / (time.perf_counter() - started) / 1e6, "MB/s")
@@ -148,8 +157,12 @@ def _layouts(result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[s
     torch.save(tensors, buffer)
     gz = gzip.compress(buffer.getvalue(), compresslevel=6)
     gzip_seconds = time.perf_counter() - started
-    result.add("torch.save + gzip-6 (the seed's codec)", raw / gzip_seconds / 1e6, "MB/s",
-               f"ratio {len(gz) / raw:.3f}")
+    result.add(
+        "torch.save + gzip-6 (the seed's codec)",
+        raw / gzip_seconds / 1e6,
+        "MB/s",
+        f"ratio {len(gz) / raw:.3f}",
+    )
     started = time.perf_counter()
     torch.save(tensors, tmp / "state.pt")
     save_seconds = time.perf_counter() - started
@@ -159,15 +172,27 @@ def _layouts(result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[s
     result.ratio("planes write / torch.save", speeds["planes"] * save_seconds / raw)
 
 
-def _zstd_settings(result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[str, Any], raw: int,
-                   tmp: Path) -> None:
+def _zstd_settings(
+    result: BenchResult, tensors: dict[str, torch.Tensor], meta: dict[str, Any], raw: int, tmp: Path
+) -> None:
     for level, threads in ((1, 0), (1, 2), (3, 0), (-1, 0)):
         started = time.perf_counter()
-        info, _ = write_snapshot(tmp / f"z{level}-{threads}", tensors, meta, kind="hot", layout="planes",
-                                 level=level, threads=threads)
+        info, _ = write_snapshot(
+            tmp / f"z{level}-{threads}",
+            tensors,
+            meta,
+            kind="hot",
+            layout="planes",
+            level=level,
+            threads=threads,
+        )
         seconds = time.perf_counter() - started
-        result.add(f"planes zstd level {level}, threads {threads}", raw / seconds / 1e6, "MB/s",
-                   f"ratio {info.size_bytes / raw:.3f}")
+        result.add(
+            f"planes zstd level {level}, threads {threads}",
+            raw / seconds / 1e6,
+            "MB/s",
+            f"ratio {info.size_bytes / raw:.3f}",
+        )
 
 
 BENCHES: dict[str, Callable[..., BenchResult]] = {"snapshot": bench_snapshot}

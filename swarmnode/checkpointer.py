@@ -101,8 +101,12 @@ class StagingBuffers:
 class SpeculativeCheckpointer:
     """Hot/cold rolling snapshots with one background writer; also the catalog of complete snapshots."""
 
-    def __init__(self, cfg: CheckpointerConfig, metrics: Metrics,
-                 on_written: Callable[[SnapshotInfo], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointerConfig,
+        metrics: Metrics,
+        on_written: Callable[[SnapshotInfo], None] | None = None,
+    ) -> None:
         self.cfg, self.metrics, self.on_written = cfg, metrics, on_written
         self._staging = StagingBuffers()
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
@@ -158,13 +162,23 @@ class SpeculativeCheckpointer:
         self._writes += 1
         index = self._writes
         faults.hit("snapshot_write", index)
+
+        def halfway() -> None:
+            faults.hit("snapshot_halfway", index)
+
         started = time.perf_counter()
         try:
             info, raw_bytes = write_snapshot(
-                self.cfg.directory, job.tensors, job.metadata, kind=job.kind, layout=self.cfg.layout,
+                self.cfg.directory,
+                job.tensors,
+                job.metadata,
+                kind=job.kind,
+                layout=self.cfg.layout,
                 level=self.cfg.hot_level if job.kind == "hot" else self.cfg.cold_level,
-                threads=self.cfg.zstd_threads, fsync=job.kind == "cold",
-                on_halfway=lambda: faults.hit("snapshot_halfway", index))
+                threads=self.cfg.zstd_threads,
+                fsync=job.kind == "cold",
+                on_halfway=halfway,
+            )
         except OSError as exc:
             self._record_failure(exc)
             return
@@ -183,23 +197,35 @@ class SpeculativeCheckpointer:
         m.snapshot_size.labels(info.kind).set(info.size_bytes)
         with self._lock:
             self._snapshots.append(info)
-        logger.info("%s snapshot o%d/i%d written: %s, %.1f MB (ratio %.3f) in %.2f s", info.kind,
-                    info.outer_step, info.inner_step, info.snapshot_id[:12], info.size_bytes / 1e6,
-                    info.size_bytes / max(raw_bytes, 1), seconds)
+        logger.info(
+            "%s snapshot o%d/i%d written: %s, %.1f MB (ratio %.3f) in %.2f s",
+            info.kind,
+            info.outer_step,
+            info.inner_step,
+            info.snapshot_id[:12],
+            info.size_bytes / 1e6,
+            info.size_bytes / max(raw_bytes, 1),
+            seconds,
+        )
 
     def _record_failure(self, exc: OSError) -> None:
         reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
         self.metrics.snapshot_failures.labels(reason).inc()
         if reason not in self._logged_failures:
             self._logged_failures.add(reason)
-            logger.error("snapshot write failed (%s): %s; training goes on with the snapshots it has "
-                         "(further failures of this kind are only counted)", reason, exc)
+            logger.error(
+                "snapshot write failed (%s): %s; training goes on with the snapshots it has "
+                "(further failures of this kind are only counted)",
+                reason,
+                exc,
+            )
 
     def _apply_retention(self) -> None:
         with self._lock:
             keep = {"hot": self.cfg.keep_hot, "cold": self.cfg.keep_cold}
-            ordered = sorted(self._snapshots, key=lambda s: (s.outer_step, s.inner_step, s.created_at),
-                             reverse=True)
+            ordered = sorted(
+                self._snapshots, key=lambda s: (s.outer_step, s.inner_step, s.created_at), reverse=True
+            )
             kept, seen = [], {"hot": 0, "cold": 0}
             for info in ordered:
                 seen[info.kind] += 1

@@ -32,9 +32,14 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="swarmnode", description="Peer-to-peer swarm training node (DiLoCo).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    build_run_parser(sub.add_parser("run", help="run one swarm node until stopped",
-                                    description="Run one swarm node. Every flag also reads SWARMNODE_<NAME> "
-                                    "from the environment; precedence: flag > env > --config file."))
+    build_run_parser(
+        sub.add_parser(
+            "run",
+            help="run one swarm node until stopped",
+            description="Run one swarm node. Every flag also reads SWARMNODE_<NAME> "
+            "from the environment; precedence: flag > env > --config file.",
+        )
+    )
     status = sub.add_parser("status", help="a node's live state")
     status.add_argument("address", metavar="HOST:GRPC_PORT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -48,9 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a snapshot's weights as a plain safetensors file")
     export.add_argument("file", type=Path)
     export.add_argument("--out", required=True, type=Path, metavar="FILE")
-    export.add_argument("--local", action="store_true",
-                        help="export the node's local weights instead of the swarm's global params")
-    bench = sub.add_parser("bench", help="measure this machine: each figure a ratio against a same-run anchor")
+    export.add_argument(
+        "--local",
+        action="store_true",
+        help="export the node's local weights instead of the swarm's global params",
+    )
+    bench = sub.add_parser(
+        "bench", help="measure this machine: each figure a ratio against a same-run anchor"
+    )
     bench.add_argument("name", choices=["snapshot"], help="which benchmark")
     bench.add_argument("--model", choices=["tiny", "small", "base"], default="small")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
@@ -122,8 +132,12 @@ def _run(args: argparse.Namespace) -> int:
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                                 "logger": record.name, "msg": record.getMessage()}
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

@@ -238,25 +238,47 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("peers", _peer_list, "comma-separated HOST:DHT_PORT of peers to bootstrap from; host names "
-         "are resolved; none: this node starts a new swarm", metavar="HOST:PORT[,...]"),
+    Flag(
+        "peers",
+        _peer_list,
+        "comma-separated HOST:DHT_PORT of peers to bootstrap from; host names "
+        "are resolved; none: this node starts a new swarm",
+        metavar="HOST:PORT[,...]",
+    ),
     Flag("run_id", _run_id, "the training run this node joins; nodes only swarm within one run id"),
     Flag("data_dir", Path, "directory for snapshots, identity key, receipts and logs"),
     Flag("host", _host, "address to listen on (gRPC, DHT, metrics)"),
-    Flag("advertise_host", _host, "address peers should use to reach this node (default: --host, or "
-         "127.0.0.1 when listening on all interfaces)"),
+    Flag(
+        "advertise_host",
+        _host,
+        "address peers should use to reach this node (default: --host, or "
+        "127.0.0.1 when listening on all interfaces)",
+    ),
     Flag("grpc_port", _port, "gRPC port for snapshots, status and averaging (0 = pick a free port)"),
     Flag("dht_port", _port, "UDP port of the Kademlia DHT (0 = pick a free port)"),
     Flag("metrics_port", _port, "Prometheus /metrics port (0 = pick a free port)"),
-    Flag("model", _choice(MODEL_PRESETS), "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
-         choices=MODEL_PRESETS),
-    Flag("data", _non_empty, "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
-         "directory (bytes); default: the Python standard library's own sources", metavar="PATH"),
+    Flag(
+        "model",
+        _choice(MODEL_PRESETS),
+        "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
+        choices=MODEL_PRESETS,
+    ),
+    Flag(
+        "data",
+        _non_empty,
+        "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
+        "directory (bytes); default: the Python standard library's own sources",
+        metavar="PATH",
+    ),
     Flag("device", _choice(DEVICES), "where to train; auto picks cuda when available", choices=DEVICES),
     Flag("threads", _positive_int, "CPU threads for torch (default: torch's own choice)"),
     Flag("inner_steps", _positive_int, "H: the most inner AdamW steps per round"),
-    Flag("inner_seconds", _positive_float, "optional time box of a round's inner phase, for slow "
-         "volunteers (makes runs non-deterministic)", metavar="SECONDS"),
+    Flag(
+        "inner_seconds",
+        _positive_float,
+        "optional time box of a round's inner phase, for slow volunteers (makes runs non-deterministic)",
+        metavar="SECONDS",
+    ),
     Flag("inner_lr", _positive_float, "inner AdamW learning rate"),
     Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
     Flag("outer_momentum", _fraction, "outer Nesterov momentum"),
@@ -268,26 +290,53 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cold_every", _positive_int, "outer steps between cold (fsynced, kept longer) snapshots"),
     Flag("keep_hot", _positive_int, "hot snapshots kept on disk"),
     Flag("keep_cold", _positive_int, "cold snapshots kept on disk"),
-    Flag("layout", _choice(LAYOUTS), "snapshot tensor layout: planes (byte planes, smaller) or plain "
-         "(zstd -d gives an ordinary safetensors file)", choices=LAYOUTS),
+    Flag(
+        "layout",
+        _choice(LAYOUTS),
+        "snapshot tensor layout: planes (byte planes, smaller) or plain "
+        "(zstd -d gives an ordinary safetensors file)",
+        choices=LAYOUTS,
+    ),
     Flag("hot_level", _zstd_level, "zstd level of hot snapshots"),
     Flag("cold_level", _zstd_level, "zstd level of cold snapshots"),
     Flag("max_outer_steps", _positive_int, "stop after this many outer steps (default: run until stopped)"),
-    Flag("seed", _non_negative_int, "seed of the model's initialisation and data order (must agree across "
-         "the run)"),
-    Flag("identity", Path, "the node's Ed25519 key file (default: DATA_DIR/identity.key, so wiping "
-         "snapshots keeps the identity)", metavar="FILE"),
+    Flag(
+        "seed",
+        _non_negative_int,
+        "seed of the model's initialisation and data order (must agree across the run)",
+    ),
+    Flag(
+        "identity",
+        Path,
+        "the node's Ed25519 key file (default: DATA_DIR/identity.key, so wiping "
+        "snapshots keeps the identity)",
+        metavar="FILE",
+    ),
     Flag("log_format", _choice(LOG_FORMATS), "log and progress output: text or json", choices=LOG_FORMATS),
     Flag("progress_interval_s", _positive_float, "seconds between progress lines", metavar="SECONDS"),
-    Flag("max_serving", _positive_int, "most concurrent snapshot streams served; the next gets "
-         "RESOURCE_EXHAUSTED"),
-    Flag("matchmaking_timeout_s", _positive_float, "seconds to wait for partners before an outer step "
-         "goes on alone", metavar="SECONDS"),
-    Flag("allreduce_timeout_s", _positive_float, "seconds an all-reduce may take before late parts are "
-         "left out", metavar="SECONDS"),
+    Flag(
+        "max_serving",
+        _positive_int,
+        "most concurrent snapshot streams served; the next gets RESOURCE_EXHAUSTED",
+    ),
+    Flag(
+        "matchmaking_timeout_s",
+        _positive_float,
+        "seconds to wait for partners before an outer step goes on alone",
+        metavar="SECONDS",
+    ),
+    Flag(
+        "allreduce_timeout_s",
+        _positive_float,
+        "seconds an all-reduce may take before late parts are left out",
+        metavar="SECONDS",
+    ),
     Flag("wire_dtype", _choice(WIRE_DTYPES), "dtype of pseudo-gradients on the wire", choices=WIRE_DTYPES),
-    Flag("min_coverage", _fraction, "below this averaged fraction of the pseudo-gradient the outer step "
-         "is skipped (local progress kept)"),
+    Flag(
+        "min_coverage",
+        _fraction,
+        "below this averaged fraction of the pseudo-gradient the outer step is skipped (local progress kept)",
+    ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),
     Flag("tls_ca", Path, "PEM CA bundle: peers must present a certificate it signed", metavar="FILE"),
@@ -299,16 +348,27 @@ assert set(FLAG_BY_FIELD) == {f.name for f in dataclasses.fields(NodeConfig)}
 
 def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every NodeConfig flag (default None, so lower layers show through) plus --config/--dry-run."""
-    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML file of flag values "
-                        "(keys as flag names, e.g. inner-steps = 100)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the configuration, print it as JSON and exit")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML file of flag values (keys as flag names, e.g. inner-steps = 100)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate the configuration, print it as JSON and exit"
+    )
     defaults = NodeConfig.__dataclass_fields__
     for flag in FLAGS:
         default = defaults[flag.field].default
         shown = "" if flag.field == "swarm_token" else f" (default: {_show(default)})"
-        parser.add_argument(flag.option, dest=flag.field, default=None, metavar=flag.metavar,
-                            choices=None, help=f"{flag.help}{shown}; env {flag.env}")
+        parser.add_argument(
+            flag.option,
+            dest=flag.field,
+            default=None,
+            metavar=flag.metavar,
+            choices=None,
+            help=f"{flag.help}{shown}; env {flag.env}",
+        )
     return parser
 
 
@@ -318,8 +378,9 @@ def _show(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def load_config(cli_values: Mapping[str, Any], environ: Mapping[str, str],
-                toml_path: Path | None) -> NodeConfig:
+def load_config(
+    cli_values: Mapping[str, Any], environ: Mapping[str, str], toml_path: Path | None
+) -> NodeConfig:
     """Merge defaults < TOML < environment < command line into a validated NodeConfig."""
     values: dict[str, Any] = {}
     if toml_path is not None:
@@ -340,8 +401,11 @@ def _parse(flag: Flag, raw: Any, source: str) -> Any:
     try:
         return flag.parse(text.strip())
     except ValueError as exc:
-        reason = str(exc) if not str(exc).startswith(("invalid literal", "could not convert")) else (
-            "not a number")
+        reason = (
+            str(exc)
+            if not str(exc).startswith(("invalid literal", "could not convert"))
+            else ("not a number")
+        )
         raise ConfigError(f"{source}: {reason}, got {text!r}") from None
 
 

@@ -118,8 +118,9 @@ class Batch:
 class ShardLoader:
     """Batches of one shard in a seeded per-epoch order; `state_dict()` is the cursor."""
 
-    def __init__(self, corpus: Corpus, shard: int, num_shards: int, batch_size: int, seq_len: int,
-                 seed: int) -> None:
+    def __init__(
+        self, corpus: Corpus, shard: int, num_shards: int, batch_size: int, seq_len: int, seed: int
+    ) -> None:
         self.corpus, self.shard, self.num_shards = corpus, shard, num_shards
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         shard_len = corpus.train_len // num_shards
@@ -128,7 +129,8 @@ class ShardLoader:
         if self.num_windows < batch_size:
             raise ValueError(
                 f"--num-shards: shard {shard} has {self.num_windows} windows of {seq_len} tokens, fewer "
-                f"than --batch-size {batch_size}; use fewer shards or more data, got {num_shards}")
+                f"than --batch-size {batch_size}; use fewer shards or more data, got {num_shards}"
+            )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
@@ -146,7 +148,7 @@ class ShardLoader:
     def next_batch(self) -> Batch:
         if self.position + self.batch_size > self.num_windows:
             self.epoch, self.position = self.epoch + 1, 0
-        windows = self._epoch_order()[self.position:self.position + self.batch_size]
+        windows = self._epoch_order()[self.position : self.position + self.batch_size]
         batch = self._gather(self._start + windows * self.seq_len, self.epoch, self.position)
         self.position += self.batch_size
         return batch

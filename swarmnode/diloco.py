@@ -95,13 +95,21 @@ class DilocoTrainer:
         decay = [p for _, p in named if p.dim() >= 2]
         no_decay = [p for _, p in named if p.dim() < 2]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.cfg.inner_lr, betas=self.cfg.betas, foreach=False)
+            [
+                {"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.cfg.inner_lr,
+            betas=self.cfg.betas,
+            foreach=False,
+        )
         # Eager state, so snapshots have the same tensors before and after the first step.
         for p in self.params:
-            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p)}
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
         return opt
 
     # ----- the inner phase -----
@@ -128,8 +136,10 @@ class DilocoTrainer:
             self._copy_local_to(saved)
             self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
         self.model.eval()
-        losses = [float(self.model.loss(b.inputs.to(self.device), b.targets.to(self.device)))  # type: ignore
-                  for b in batches]
+        losses = [
+            float(self.model.loss(b.inputs.to(self.device), b.targets.to(self.device)))  # type: ignore
+            for b in batches
+        ]
         if saved is not None:
             self._copy_to_local(saved, ((0, saved.numel()),))
         return sum(losses) / len(losses)
@@ -165,7 +175,7 @@ class DilocoTrainer:
 
     def _copy_local_to(self, flat: torch.Tensor) -> None:
         for slot, p in zip(self.slots, self.params, strict=True):
-            flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
 
     def _copy_to_local(self, flat: torch.Tensor, ranges: Sequence[Range]) -> None:
         for slot, p in zip(self.slots, self.params, strict=True):
@@ -173,7 +183,7 @@ class DilocoTrainer:
             for a, b in ranges:
                 lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
                 if lo < hi:
-                    local[lo - slot.offset:hi - slot.offset].copy_(flat[lo:hi])
+                    local[lo - slot.offset : hi - slot.offset].copy_(flat[lo:hi])
 
     # ----- the training state as named tensors -----
 
@@ -187,15 +197,23 @@ class DilocoTrainer:
             tensors[f"inner/{slot.name}/exp_avg_sq"] = state["exp_avg_sq"]
         for prefix, flat in (("global", self.global_flat), ("outer_momentum", self.outer_momentum)):
             for slot in self.slots:
-                tensors[f"{prefix}/{slot.name}"] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                tensors[f"{prefix}/{slot.name}"] = flat[slot.offset : slot.offset + slot.numel].view(
+                    slot.shape
+                )
         tensors.update(rng_state_tensors())
         return tensors
 
     def state_metadata(self) -> dict[str, Any]:
         step = self.inner_opt.state[self.params[0]]["step"]
-        return {"adam_step": int(step.item()), "inner_lr": self.cfg.inner_lr, "outer_lr": self.cfg.outer_lr,
-                "outer_momentum": self.cfg.outer_momentum, "weight_decay": self.cfg.weight_decay,
-                "betas": list(self.cfg.betas), "grad_clip": self.cfg.grad_clip}
+        return {
+            "adam_step": int(step.item()),
+            "inner_lr": self.cfg.inner_lr,
+            "outer_lr": self.cfg.outer_lr,
+            "outer_momentum": self.cfg.outer_momentum,
+            "weight_decay": self.cfg.weight_decay,
+            "betas": list(self.cfg.betas),
+            "grad_clip": self.cfg.grad_clip,
+        }
 
     @torch.no_grad()
     def reset_local_to_global(self) -> None:
@@ -203,8 +221,9 @@ class DilocoTrainer:
         self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
 
     @torch.no_grad()
-    def load_state(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
-                   restore_rng: bool = True) -> None:
+    def load_state(
+        self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], restore_rng: bool = True
+    ) -> None:
         """Restore from tensors named as by `state_tensors()` (shapes already checked by the reader)."""
         live = self.state_tensors()
         missing = sorted(set(live) - set(tensors))
@@ -240,6 +259,8 @@ def rng_state_tensors() -> dict[str, torch.Tensor]:
 def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
     torch.random.set_rng_state(tensors["rng/torch"].to(torch.uint8))
     if torch.cuda.is_available():
-        states = [tensors[f"rng/cuda/{i}"] for i in range(torch.cuda.device_count()) if f"rng/cuda/{i}" in tensors]
+        states = [
+            tensors[f"rng/cuda/{i}"] for i in range(torch.cuda.device_count()) if f"rng/cuda/{i}" in tensors
+        ]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)

@@ -27,12 +27,26 @@ def inspect_command(path: Path, as_json: bool) -> int:
     except SnapshotError as exc:
         print(f"swarmnode inspect: {path}: {exc}", file=sys.stderr)
         return 1
-    tensors = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.end - e.begin,
-                "stored_as": "planes" if e.planes else "plain"} for e in header.entries]
-    report: dict[str, Any] = {"file": str(path), "snapshot_id": snapshot_id,
-                              "hash_check": "matches file name" if expected else "computed (name has no id)",
-                              "size_bytes": path.stat().st_size, "raw_bytes": header.data_bytes,
-                              "layout": header.layout, "metadata": header.metadata, "tensors": tensors}
+    tensors = [
+        {
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "bytes": e.end - e.begin,
+            "stored_as": "planes" if e.planes else "plain",
+        }
+        for e in header.entries
+    ]
+    report: dict[str, Any] = {
+        "file": str(path),
+        "snapshot_id": snapshot_id,
+        "hash_check": "matches file name" if expected else "computed (name has no id)",
+        "size_bytes": path.stat().st_size,
+        "raw_bytes": header.data_bytes,
+        "layout": header.layout,
+        "metadata": header.metadata,
+        "tensors": tensors,
+    }
     if as_json:
         print(json.dumps(report, indent=1))
     else:
@@ -44,14 +58,17 @@ def _print_report(report: dict[str, Any]) -> None:
     print(f"file        {report['file']}")
     print(f"snapshot id {report['snapshot_id']}  ({report['hash_check']})")
     ratio = report["size_bytes"] / max(report["raw_bytes"], 1)
-    print(f"size        {report['size_bytes']:,} bytes compressed, {report['raw_bytes']:,} raw "
-          f"(ratio {ratio:.3f}), layout {report['layout']}")
+    print(
+        f"size        {report['size_bytes']:,} bytes compressed, {report['raw_bytes']:,} raw "
+        f"(ratio {ratio:.3f}), layout {report['layout']}"
+    )
     for key, value in sorted(report["metadata"].items()):
         print(f"  {key:<14} {json.dumps(value)}")
     print(f"{len(report['tensors'])} tensors:")
     width = max((len(t["name"]) for t in report["tensors"]), default=4)
     for t in report["tensors"]:
-        print(f"  {t['name']:<{width}}  {t['dtype']:<4} {str(t['shape']):<16} {t['bytes']:>12,}  {t['stored_as']}")
+        shape = str(t["shape"])
+        print(f"  {t['name']:<{width}}  {t['dtype']:<4} {shape:<16} {t['bytes']:>12,}  {t['stored_as']}")
 
 
 def export_command(path: Path, out: Path, local: bool) -> int:
@@ -63,15 +80,23 @@ def export_command(path: Path, out: Path, local: bool) -> int:
         print(f"swarmnode export: {path}: {exc}", file=sys.stderr)
         return 1
     prefix = "model/" if local else "global/"
-    weights = {name[len(prefix):]: tensor.contiguous() for name, tensor in loaded.tensors.items()
-               if name.startswith(prefix)}
+    weights = {
+        name[len(prefix) :]: tensor.contiguous()
+        for name, tensor in loaded.tensors.items()
+        if name.startswith(prefix)
+    }
     if not weights:
         print(f"swarmnode export: {path}: no {prefix}* tensors in this snapshot", file=sys.stderr)
         return 1
     meta = loaded.metadata
-    info = {"source_snapshot": loaded.snapshot_id, "run_id": str(meta.get("run_id")),
-            "model": str(meta.get("model")), "outer_step": str(meta.get("outer_step")),
-            "weights": "local" if local else "global", "format": "pt"}
+    info = {
+        "source_snapshot": loaded.snapshot_id,
+        "run_id": str(meta.get("run_id")),
+        "model": str(meta.get("model")),
+        "outer_step": str(meta.get("outer_step")),
+        "weights": "local" if local else "global",
+        "format": "pt",
+    }
     write_safetensors(out, weights, info)
     total = sum(t.numel() for t in weights.values())
     print(f"wrote {out}: {len(weights)} tensors, {total:,} parameters ({_dtype_names(weights)})")

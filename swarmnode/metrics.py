@@ -14,8 +14,15 @@ STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 SNAPSHOT_KINDS = ("hot", "cold")
-FETCH_FAILURE_REASONS = ("unreachable", "refused", "hash_mismatch", "truncated", "too_large", "timeout",
-                         "invalid")
+FETCH_FAILURE_REASONS = (
+    "unreachable",
+    "refused",
+    "hash_mismatch",
+    "truncated",
+    "too_large",
+    "timeout",
+    "invalid",
+)
 RECOVERY_SOURCES = ("local", "peer", "fresh")
 DHT_REJECT_REASONS = ("bad_signature", "oversized", "expired", "ttl_too_long", "malformed", "quota")
 SNAPSHOT_FAILURE_REASONS = ("disk_full", "io_error")
@@ -33,57 +40,88 @@ class Metrics:
         self.outer_step = Gauge("swarmnode_outer_step", "Current outer step (round) of this node", registry=r)
         self.tokens = Counter("swarmnode_tokens", "Training tokens processed", registry=r)
         self.loss = Gauge("swarmnode_loss", "Training loss of the last inner step", registry=r)
-        self.heldout_loss = Gauge("swarmnode_heldout_loss",
-                                  "Loss of the global params on the fixed held-out slice", registry=r)
+        self.heldout_loss = Gauge(
+            "swarmnode_heldout_loss", "Loss of the global params on the fixed held-out slice", registry=r
+        )
         self.tokens_per_second = Gauge("swarmnode_tokens_per_second", "Training throughput", registry=r)
         self._snapshot_metrics(r)
         self._network_metrics(r)
         self._averaging_metrics(r)
 
     def _snapshot_metrics(self, r: CollectorRegistry) -> None:
-        self.snapshot_stall = Histogram("swarmnode_snapshot_stall_seconds",
-                                        "Time the training thread waited for a snapshot", ["kind"],
-                                        buckets=STALL_BUCKETS, registry=r)
-        self.snapshot_write = Histogram("swarmnode_snapshot_write_seconds",
-                                        "Background time to compress, hash and write a snapshot", ["kind"],
-                                        buckets=SECONDS_BUCKETS, registry=r)
-        self.snapshots_written = Counter("swarmnode_snapshots_written", "Snapshots written", ["kind"],
-                                         registry=r)
-        self.snapshot_raw_bytes = Counter("swarmnode_snapshot_raw_bytes",
-                                          "Uncompressed bytes of snapshots written", ["kind"], registry=r)
-        self.snapshot_compressed_bytes = Counter("swarmnode_snapshot_compressed_bytes",
-                                                 "Compressed bytes of snapshots written", ["kind"], registry=r)
-        self.snapshot_size = Gauge("swarmnode_snapshot_size_bytes", "Size of the newest snapshot file",
-                                   ["kind"], registry=r)
-        self.snapshots_skipped = Counter("swarmnode_snapshots_skipped",
-                                         "Hot snapshots skipped because one was still being written",
-                                         registry=r)
-        self.snapshot_failures = Counter("swarmnode_snapshot_failures", "Snapshot writes that failed",
-                                         ["reason"], registry=r)
+        self.snapshot_stall = Histogram(
+            "swarmnode_snapshot_stall_seconds",
+            "Time the training thread waited for a snapshot",
+            ["kind"],
+            buckets=STALL_BUCKETS,
+            registry=r,
+        )
+        self.snapshot_write = Histogram(
+            "swarmnode_snapshot_write_seconds",
+            "Background time to compress, hash and write a snapshot",
+            ["kind"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.snapshots_written = Counter(
+            "swarmnode_snapshots_written", "Snapshots written", ["kind"], registry=r
+        )
+        self.snapshot_raw_bytes = Counter(
+            "swarmnode_snapshot_raw_bytes", "Uncompressed bytes of snapshots written", ["kind"], registry=r
+        )
+        self.snapshot_compressed_bytes = Counter(
+            "swarmnode_snapshot_compressed_bytes",
+            "Compressed bytes of snapshots written",
+            ["kind"],
+            registry=r,
+        )
+        self.snapshot_size = Gauge(
+            "swarmnode_snapshot_size_bytes", "Size of the newest snapshot file", ["kind"], registry=r
+        )
+        self.snapshots_skipped = Counter(
+            "swarmnode_snapshots_skipped",
+            "Hot snapshots skipped because one was still being written",
+            registry=r,
+        )
+        self.snapshot_failures = Counter(
+            "swarmnode_snapshot_failures", "Snapshot writes that failed", ["reason"], registry=r
+        )
         self.snapshot_age = Gauge("swarmnode_snapshot_age_seconds", "Age of the newest snapshot", registry=r)
         for kind in SNAPSHOT_KINDS:
-            for metric in (self.snapshot_stall, self.snapshot_write, self.snapshots_written,
-                           self.snapshot_raw_bytes, self.snapshot_compressed_bytes, self.snapshot_size):
+            for metric in (
+                self.snapshot_stall,
+                self.snapshot_write,
+                self.snapshots_written,
+                self.snapshot_raw_bytes,
+                self.snapshot_compressed_bytes,
+                self.snapshot_size,
+            ):
                 metric.labels(kind)
         for reason in SNAPSHOT_FAILURE_REASONS:
             self.snapshot_failures.labels(reason)
 
     def _network_metrics(self, r: CollectorRegistry) -> None:
-        self.snapshots_served = Counter("swarmnode_snapshots_served", "Snapshot streams served to peers",
-                                        registry=r)
+        self.snapshots_served = Counter(
+            "swarmnode_snapshots_served", "Snapshot streams served to peers", registry=r
+        )
         self.served_bytes = Counter("swarmnode_served_bytes", "Snapshot bytes sent to peers", registry=r)
         self.fetch_bytes = Counter("swarmnode_fetch_bytes", "Snapshot bytes fetched from peers", registry=r)
-        self.fetch_failures = Counter("swarmnode_fetch_failures", "Snapshot fetches refused or failed",
-                                      ["reason"], registry=r)
-        self.recoveries = Counter("swarmnode_recoveries", "Restores at start, by where the state came from",
-                                  ["source"], registry=r)
-        self.recovery_seconds = Gauge("swarmnode_recovery_seconds", "Duration of the last recovery",
-                                      registry=r)
+        self.fetch_failures = Counter(
+            "swarmnode_fetch_failures", "Snapshot fetches refused or failed", ["reason"], registry=r
+        )
+        self.recoveries = Counter(
+            "swarmnode_recoveries", "Restores at start, by where the state came from", ["source"], registry=r
+        )
+        self.recovery_seconds = Gauge(
+            "swarmnode_recovery_seconds", "Duration of the last recovery", registry=r
+        )
         self.dht_peers = Gauge("swarmnode_dht_peers", "Nodes in the DHT routing table", registry=r)
-        self.dht_rejected = Counter("swarmnode_dht_rejected_records", "DHT records refused", ["reason"],
-                                    registry=r)
-        self.rpc_rejected = Counter("swarmnode_rpc_rejected", "RPCs refused before reaching a handler",
-                                    ["reason"], registry=r)
+        self.dht_rejected = Counter(
+            "swarmnode_dht_rejected_records", "DHT records refused", ["reason"], registry=r
+        )
+        self.rpc_rejected = Counter(
+            "swarmnode_rpc_rejected", "RPCs refused before reaching a handler", ["reason"], registry=r
+        )
         for reason in FETCH_FAILURE_REASONS:
             self.fetch_failures.labels(reason)
         for source in RECOVERY_SOURCES:
@@ -93,23 +131,33 @@ class Metrics:
         self.rpc_rejected.labels("unauthenticated")
 
     def _averaging_metrics(self, r: CollectorRegistry) -> None:
-        self.allreduce_seconds = Histogram("swarmnode_allreduce_seconds", "Duration of an all-reduce",
-                                           buckets=SECONDS_BUCKETS, registry=r)
+        self.allreduce_seconds = Histogram(
+            "swarmnode_allreduce_seconds", "Duration of an all-reduce", buckets=SECONDS_BUCKETS, registry=r
+        )
         self.group_size = Gauge("swarmnode_group_size", "Members of the last averaging group", registry=r)
-        self.coverage = Gauge("swarmnode_coverage_ratio",
-                              "Fraction of the pseudo-gradient averaged in the last round", registry=r)
-        self.round_failures = Counter("swarmnode_round_failures", "Rounds that fell short", ["reason"],
-                                      registry=r)
-        self.repairs = Counter("swarmnode_repairs", "Catch-ups by fetching an up-to-date snapshot",
-                               registry=r)
-        self.allreduce_sent_bytes = Counter("swarmnode_allreduce_sent_bytes",
-                                            "Pseudo-gradient bytes sent to peers", registry=r)
-        self.allreduce_round_sent_bytes = Gauge("swarmnode_allreduce_round_sent_bytes",
-                                                "Pseudo-gradient bytes sent in the last round", registry=r)
+        self.coverage = Gauge(
+            "swarmnode_coverage_ratio",
+            "Fraction of the pseudo-gradient averaged in the last round",
+            registry=r,
+        )
+        self.round_failures = Counter(
+            "swarmnode_round_failures", "Rounds that fell short", ["reason"], registry=r
+        )
+        self.repairs = Counter(
+            "swarmnode_repairs", "Catch-ups by fetching an up-to-date snapshot", registry=r
+        )
+        self.allreduce_sent_bytes = Counter(
+            "swarmnode_allreduce_sent_bytes", "Pseudo-gradient bytes sent to peers", registry=r
+        )
+        self.allreduce_round_sent_bytes = Gauge(
+            "swarmnode_allreduce_round_sent_bytes", "Pseudo-gradient bytes sent in the last round", registry=r
+        )
         for reason in ROUND_FAILURE_REASONS:
             self.round_failures.labels(reason)
 
-    def track_snapshot_age(self, newest_created_at: Callable[[], float | None], now: Callable[[], float]) -> None:
+    def track_snapshot_age(
+        self, newest_created_at: Callable[[], float | None], now: Callable[[], float]
+    ) -> None:
         """Compute the snapshot age at scrape time (NaN before the first snapshot)."""
 
         def age() -> float:

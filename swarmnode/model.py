@@ -84,8 +84,11 @@ class GPT(nn.Module):
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) \
+                std = (
+                    0.02 / math.sqrt(2 * self.cfg.n_layer)
+                    if name.endswith(("proj.weight", "out.weight"))
                     else 0.02
+                )
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)

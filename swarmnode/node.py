@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import start_http_server
 
@@ -73,25 +72,44 @@ class Node:
         corpus = load_corpus(cfg.data)
         model_cfg = preset(cfg.model, corpus.vocab_size)
         if cfg.seq_len > model_cfg.context:
-            raise ConfigError(f"--seq-len: at most the {cfg.model} preset's context {model_cfg.context}, "
-                              f"got {cfg.seq_len}")
+            raise ConfigError(
+                f"--seq-len: at most the {cfg.model} preset's context {model_cfg.context}, got {cfg.seq_len}"
+            )
         device = select_device(cfg.device)
         configure_determinism(device, cfg.threads)
         shard = cfg.shard if cfg.shard is not None else shard_for_node(self.identity.node_id, cfg.num_shards)
         loader = ShardLoader(corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
         diloco = DilocoConfig(inner_lr=cfg.inner_lr, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
-        digest = run_digest(cfg.model, model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus.digest)
+        digest = run_digest(
+            cfg.model, model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus.digest
+        )
         identity = RunIdentity(cfg.run_id, self.node_id, digest, corpus.digest, cfg.model)
-        self.run_state = TrainingRun(model_cfg, diloco, loader, corpus, identity, cfg.seed, device,
-                                     self.metrics)
+        self.run_state = TrainingRun(
+            model_cfg, diloco, loader, corpus, identity, cfg.seed, device, self.metrics
+        )
         self.checkpointer = SpeculativeCheckpointer(
-            CheckpointerConfig(cfg.snapshot_dir, cfg.keep_hot, cfg.keep_cold, cfg.layout, cfg.hot_level,
-                               cfg.cold_level), self.metrics, on_written=self._on_snapshot_written)
+            CheckpointerConfig(
+                cfg.snapshot_dir, cfg.keep_hot, cfg.keep_cold, cfg.layout, cfg.hot_level, cfg.cold_level
+            ),
+            self.metrics,
+            on_written=self._on_snapshot_written,
+        )
         self.metrics.track_snapshot_age(self.checkpointer.newest_created_at, time.time)
-        logger.info("node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, "
-                    "sha256 %s…), shard %d/%d", self.node_id[:12], cfg.run_id, cfg.model,
-                    count_parameters(self.run_state.model), self.run_state.state_bytes() / 1e6, device,
-                    corpus.description, len(corpus.tokens), corpus.digest[:12], shard, cfg.num_shards)
+        logger.info(
+            "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, "
+            "sha256 %s…), shard %d/%d",
+            self.node_id[:12],
+            cfg.run_id,
+            cfg.model,
+            count_parameters(self.run_state.model),
+            self.run_state.state_bytes() / 1e6,
+            device,
+            corpus.description,
+            len(corpus.tokens),
+            corpus.digest[:12],
+            shard,
+            cfg.num_shards,
+        )
 
     # ----- running -----
 
@@ -113,8 +131,12 @@ class Node:
                 self._write_receipt(self._pending_receipt)
             await self._flush_announcement()
             self.phase = "stopping"
-        logger.info("node %s stopped at outer step %d, inner step %d", self.node_id[:12],
-                    self.run_state.progress.outer_step, self.run_state.progress.inner_step)
+        logger.info(
+            "node %s stopped at outer step %d, inner step %d",
+            self.node_id[:12],
+            self.run_state.progress.outer_step,
+            self.run_state.progress.inner_step,
+        )
         return 0
 
     def request_stop(self) -> None:
@@ -156,8 +178,9 @@ class Node:
     async def _outer_step(self) -> None:
         run = self.run_state
         delta = run.trainer.pseudo_gradient()
-        averaged = await self.averager.average(delta, float(run.progress.round_tokens),
-                                               run.progress.outer_step)
+        averaged = await self.averager.average(
+            delta, float(run.progress.round_tokens), run.progress.outer_step
+        )
         await asyncio.to_thread(run.apply_outer, averaged)
         self.metrics.group_size.set(averaged.group_size)
         self.metrics.coverage.set(averaged.coverage)
@@ -191,9 +214,17 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await previous
         announcement = Announcement(
-            self.node_id, f"{self.cfg.advertised_host}:{self.ports.grpc}", info.snapshot_id, info.size_bytes,
-            info.outer_step, info.inner_step, info.kind, info.created_at, self.run_state.identity.run_digest,
-            info.cursor)
+            self.node_id,
+            f"{self.cfg.advertised_host}:{self.ports.grpc}",
+            info.snapshot_id,
+            info.size_bytes,
+            info.outer_step,
+            info.inner_step,
+            info.kind,
+            info.created_at,
+            self.run_state.identity.run_digest,
+            info.cursor,
+        )
         try:
             await self.dht.publish(snapshots_key(self.cfg.run_id), announcement.to_value(), ANNOUNCE_TTL_S)
         except ValueError as exc:  # a record over the size cap is a bug, but must not stop training
@@ -212,13 +243,18 @@ class Node:
         started = time.perf_counter()
         peers, own = await self._lookup_announcements()
         lookup_s = time.perf_counter() - started
-        recovery = Recovery(self.run_state, self.cfg.snapshot_dir, self._fetch_for_recovery,
-                            lambda reason: self.metrics.fetch_failures.labels(reason).inc())
+        recovery = Recovery(
+            self.run_state,
+            self.cfg.snapshot_dir,
+            self._fetch_for_recovery,
+            lambda reason: self.metrics.fetch_failures.labels(reason).inc(),
+        )
         receipt = await recovery.recover(peers, own, lookup_s)
         receipt.seconds = time.perf_counter() - started
         verified = recovery.verified
-        await asyncio.to_thread(self.checkpointer.adopt_existing,
-                                lambda path, sid: sid in verified or sha256_file(path) == sid)
+        await asyncio.to_thread(
+            self.checkpointer.adopt_existing, lambda path, sid: sid in verified or sha256_file(path) == sid
+        )
         self._log_recovery(receipt)
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
@@ -228,13 +264,24 @@ class Node:
 
     def _log_recovery(self, receipt: Receipt) -> None:
         if receipt.source == "fresh":
-            logger.info("no snapshot to resume from: starting at outer step 0 with %s cursor %s",
-                        receipt.cursor_source, receipt.cursor)
+            logger.info(
+                "no snapshot to resume from: starting at outer step 0 with %s cursor %s",
+                receipt.cursor_source,
+                receipt.cursor,
+            )
         else:
-            logger.info("recovered from %s snapshot %s%s at outer step %d, inner step %d in %.2f s "
-                        "(cursor %s from %s)", receipt.source, (receipt.snapshot_id or "")[:12],
-                        f" of {receipt.peer}" if receipt.peer else "", receipt.outer_step,
-                        receipt.inner_step, receipt.seconds, receipt.cursor, receipt.cursor_source)
+            logger.info(
+                "recovered from %s snapshot %s%s at outer step %d, inner step %d in %.2f s "
+                "(cursor %s from %s)",
+                receipt.source,
+                (receipt.snapshot_id or "")[:12],
+                f" of {receipt.peer}" if receipt.peer else "",
+                receipt.outer_step,
+                receipt.inner_step,
+                receipt.seconds,
+                receipt.cursor,
+                receipt.cursor_source,
+            )
 
     async def _lookup_announcements(self) -> tuple[list[Announcement], Announcement | None]:
         """Peers' announcements usable for recovery, and this node's own last one (for its cursor)."""
@@ -258,17 +305,22 @@ class Node:
             return True
         if announcement.node_id not in self._ignored_runs:
             self._ignored_runs.add(announcement.node_id)
-            logger.warning("peer %s (%s) runs another configuration (run digest %s… vs ours %s…): "
-                           "not using it", announcement.node_id[:12], announcement.address,
-                           announcement.run_digest[:12], self.run_state.identity.run_digest[:12])
+            logger.warning(
+                "peer %s (%s) runs another configuration (run digest %s… vs ours %s…): not using it",
+                announcement.node_id[:12],
+                announcement.address,
+                announcement.run_digest[:12],
+                self.run_state.identity.run_digest[:12],
+            )
         return False
 
     async def _fetch_for_recovery(self, peer: Announcement, target: Path) -> str:
         """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
         (a node keeps training after it announces); returns the id of what was fetched and verified."""
         limit = int(self.run_state.state_bytes() * 1.25) + (4 << 20)
-        fetch = functools.partial(rpc.fetch_snapshot, peer.address, target, max_bytes=limit,
-                                  on_bytes=self.metrics.fetch_bytes.inc)
+        fetch = functools.partial(
+            rpc.fetch_snapshot, peer.address, target, max_bytes=limit, on_bytes=self.metrics.fetch_bytes.inc
+        )
         try:
             result = await fetch(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)
         except rpc.PeerUnavailable as exc:
@@ -286,25 +338,41 @@ class Node:
     async def _start_services(self, services: contextlib.AsyncExitStack) -> None:
         """Metrics, gRPC and the DHT; each is stopped by `services` on every way out."""
         cfg = self.cfg
-        metrics_server, _thread = start_http_server(cfg.metrics_port, addr=cfg.host,
-                                                    registry=self.metrics.registry)
+        metrics_server, _thread = start_http_server(
+            cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
+        )
         services.callback(metrics_server.shutdown)
         self.ports.metrics = metrics_server.server_port
         services.push_async_callback(asyncio.to_thread, self.checkpointer.close)
         self.rpc_server = await rpc.start_server(
-            cfg.host, cfg.grpc_port, self.checkpointer, self.rpc_status, max_serving=cfg.max_serving,
-            on_served=self._on_served, faults=_serve_faults())
+            cfg.host,
+            cfg.grpc_port,
+            self.checkpointer,
+            self.rpc_status,
+            max_serving=cfg.max_serving,
+            on_served=self._on_served,
+            faults=_serve_faults(),
+        )
         services.push_async_callback(self.rpc_server.stop, 1.0)
         self.ports.grpc = self.rpc_server.port
-        self.dht = SwarmDHT(self.identity, DHTConfig(host=cfg.host, port=cfg.dht_port),
-                            on_reject=lambda reason: self.metrics.dht_rejected.labels(reason).inc())
+        self.dht = SwarmDHT(
+            self.identity,
+            DHTConfig(host=cfg.host, port=cfg.dht_port),
+            on_reject=lambda reason: self.metrics.dht_rejected.labels(reason).inc(),
+        )
         await self.dht.start(cfg.peers)
         services.push_async_callback(self.dht.stop)
         self.ports.dht = self.dht.port
         self.metrics.dht_peers.set_function(self.dht.peer_count)
-        logger.info("listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
-                    cfg.host, self.ports.grpc, self.ports.dht, cfg.host, self.ports.metrics,
-                    cfg.advertised_host)
+        logger.info(
+            "listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
+            cfg.host,
+            self.ports.grpc,
+            self.ports.dht,
+            cfg.host,
+            self.ports.metrics,
+            cfg.advertised_host,
+        )
 
     def _on_served(self, snapshot_id: str) -> None:
         self.metrics.snapshots_served.inc()
@@ -313,10 +381,17 @@ class Node:
             self.metrics.served_bytes.inc(info.size_bytes)
 
     def _write_node_file(self) -> None:
-        info = {"node_id": self.node_id, "pid": os.getpid(), "run_id": self.cfg.run_id,
-                "host": self.cfg.advertised_host, "grpc_port": self.ports.grpc, "dht_port": self.ports.dht,
-                "metrics_port": self.ports.metrics, "run_digest": self.run_state.identity.run_digest,
-                "shard": self.run_state.loader.shard}
+        info = {
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "run_id": self.cfg.run_id,
+            "host": self.cfg.advertised_host,
+            "grpc_port": self.ports.grpc,
+            "dht_port": self.ports.dht,
+            "metrics_port": self.ports.metrics,
+            "run_digest": self.run_state.identity.run_digest,
+            "shard": self.run_state.loader.shard,
+        }
         path = self.cfg.data_dir / "node.json"
         tmp = path.with_name("node.json.tmp")
         tmp.write_text(json.dumps(info, indent=1))
@@ -332,20 +407,29 @@ class Node:
         created = self.checkpointer.newest_created_at()
         age = f"{time.time() - created:.0f}s" if created else "none"
         loss = f"{p.last_loss:.4f}" if p.last_loss is not None else "-"
-        return (f"round {p.outer_step} step {p.round_step}/{self.cfg.inner_steps} loss {loss} "
-                f"tok/s {self.run_state.tokens_per_second:.0f} peers {self.dht.peer_count()} "
-                f"snapshot {age}")
+        return (
+            f"round {p.outer_step} step {p.round_step}/{self.cfg.inner_steps} loss {loss} "
+            f"tok/s {self.run_state.tokens_per_second:.0f} peers {self.dht.peer_count()} "
+            f"snapshot {age}"
+        )
 
     def rpc_status(self) -> rpc.NodeStatus:
         run = self.run_state
         p = run.progress
         cursor = run.loader.state_dict()
         return rpc.NodeStatus(
-            node_id=self.node_id, run_id=self.cfg.run_id, phase=self.phase,
-            uptime_s=time.time() - self.started_at, outer_step=p.outer_step, inner_step=p.inner_step,
-            last_loss=p.last_loss, tokens_per_s=run.tokens_per_second,
+            node_id=self.node_id,
+            run_id=self.cfg.run_id,
+            phase=self.phase,
+            uptime_s=time.time() - self.started_at,
+            outer_step=p.outer_step,
+            inner_step=p.inner_step,
+            last_loss=p.last_loss,
+            tokens_per_s=run.tokens_per_second,
             cursor=rpc.CursorStatus(cursor["shard"], cursor["epoch"], cursor["position"]),
-            peers=self.dht.peer_count(), global_digest=run.trainer.global_digest())
+            peers=self.dht.peer_count(),
+            global_digest=run.trainer.global_digest(),
+        )
 
 
 def _serve_faults() -> rpc.ServeFaults | None:
@@ -360,7 +444,10 @@ def _serve_faults() -> rpc.ServeFaults | None:
         return data
 
     truncate = faults.find("truncate", "serve_stream")
-    return rpc.ServeFaults(chunk_filter=chunk_filter,
-                           cut_at_offset=int(truncate.arg or 1 << 20) if truncate else None)
+    return rpc.ServeFaults(
+        chunk_filter=chunk_filter, cut_at_offset=int(truncate.arg or 1 << 20) if truncate else None
+    )
+
+
 def _sha_matches(path: Path, snapshot_id: str) -> bool:
     return sha256_file(path) == snapshot_id

@@ -93,8 +93,9 @@ class CursorChoice:
 class Recovery:
     """One start's recovery: candidates in, a restored `TrainingRun` and a receipt out."""
 
-    def __init__(self, run: TrainingRun, snapshot_dir: Path, fetch: Fetcher,
-                 on_failure: Callable[[str], None]) -> None:
+    def __init__(
+        self, run: TrainingRun, snapshot_dir: Path, fetch: Fetcher, on_failure: Callable[[str], None]
+    ) -> None:
         self.run, self.snapshot_dir, self.fetch, self.on_failure = run, snapshot_dir, fetch, on_failure
         self.verified: set[str] = set()
 
@@ -106,8 +107,11 @@ class Recovery:
         return candidates
 
     async def recover(self, peers: list[Announcement], own: Announcement | None, lookup_s: float) -> Receipt:
-        candidates = sorted(self.local_candidates() + [Candidate(a.outer_step, a.inner_step, announcement=a)
-                                                       for a in peers], key=lambda c: c.rank, reverse=True)
+        candidates = sorted(
+            self.local_candidates() + [Candidate(a.outer_step, a.inner_step, announcement=a) for a in peers],
+            key=lambda c: c.rank,
+            reverse=True,
+        )
         failed: list[str] = []
         for candidate in candidates:
             receipt = await self._try(candidate, own, failed)
@@ -119,8 +123,13 @@ class Recovery:
         if cursor.cursor is not None:
             self.run.loader.load_state_dict(cursor.cursor)
             self.run.progress.inner_step, self.run.progress.tokens = cursor.steps
-        return Receipt(source="fresh", cursor=self.run.loader.state_dict(), cursor_source=cursor.source,
-                       stages_s={"lookup": lookup_s}, failed_candidates=failed)
+        return Receipt(
+            source="fresh",
+            cursor=self.run.loader.state_dict(),
+            cursor_source=cursor.source,
+            stages_s={"lookup": lookup_s},
+            failed_candidates=failed,
+        )
 
     async def _try(self, candidate: Candidate, own: Announcement | None, failed: list[str]) -> Receipt | None:
         try:
@@ -153,11 +162,18 @@ class Recovery:
         verified = time.perf_counter()
         self.run.restore_own(loaded)
         done = time.perf_counter()
-        return Receipt(source="local", snapshot_id=loaded.snapshot_id, bytes=path.stat().st_size,
-                       outer_step=self.run.progress.outer_step, inner_step=self.run.progress.inner_step,
-                       cursor=self.run.loader.state_dict(), cursor_source="own_snapshot",
-                       stages_s={"verify": verified - started, "load": done - verified},
-                       seconds=done - started, loss_before=loaded.metadata.get("last_loss"))
+        return Receipt(
+            source="local",
+            snapshot_id=loaded.snapshot_id,
+            bytes=path.stat().st_size,
+            outer_step=self.run.progress.outer_step,
+            inner_step=self.run.progress.inner_step,
+            cursor=self.run.loader.state_dict(),
+            cursor_source="own_snapshot",
+            stages_s={"verify": verified - started, "load": done - verified},
+            seconds=done - started,
+            loss_before=loaded.metadata.get("last_loss"),
+        )
 
     async def _restore_peer(self, peer: Announcement, own: Announcement | None) -> Receipt:
         incoming = self.snapshot_dir / ".incoming"
@@ -174,8 +190,9 @@ class Recovery:
         receipt.seconds = time.perf_counter() - started
         return receipt
 
-    def _load_peer_file(self, peer: Announcement, snapshot_id: str, own: Announcement | None,
-                        path: Path) -> Receipt:
+    def _load_peer_file(
+        self, peer: Announcement, snapshot_id: str, own: Announcement | None, path: Path
+    ) -> Receipt:
         started = time.perf_counter()
         loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
         if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
@@ -185,14 +202,21 @@ class Recovery:
         self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)
         done = time.perf_counter()
         if cursor.cursor is None:
-            logger.info("no cursor of this node's own survives: starting shard %d afresh",
-                        self.run.loader.shard)
-        return Receipt(source="peer", snapshot_id=loaded.snapshot_id, peer=peer.address,
-                       bytes=path.stat().st_size, outer_step=self.run.progress.outer_step,
-                       inner_step=self.run.progress.inner_step, cursor=self.run.loader.state_dict(),
-                       cursor_source=cursor.source, stages_s={"verify": verified - started,
-                                                              "load": done - verified},
-                       loss_before=loaded.metadata.get("last_loss"))
+            logger.info(
+                "no cursor of this node's own survives: starting shard %d afresh", self.run.loader.shard
+            )
+        return Receipt(
+            source="peer",
+            snapshot_id=loaded.snapshot_id,
+            peer=peer.address,
+            bytes=path.stat().st_size,
+            outer_step=self.run.progress.outer_step,
+            inner_step=self.run.progress.inner_step,
+            cursor=self.run.loader.state_dict(),
+            cursor_source=cursor.source,
+            stages_s={"verify": verified - started, "load": done - verified},
+            loss_before=loaded.metadata.get("last_loss"),
+        )
 
     def _own_cursor(self, own: Announcement | None) -> CursorChoice:
         """The freshest cursor of this node's own: its last announcement or an own snapshot's header."""

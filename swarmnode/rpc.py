@@ -533,6 +533,12 @@ def _channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(_check_address(address), options=_CLIENT_OPTIONS)
 
 
+def open_channel(address: str) -> grpc.aio.Channel:
+    """A client channel to a peer's HOST:PORT with the swarm's message limits and keepalive (other
+    services' clients use it too). Raises ValueError for a malformed address."""
+    return _channel(address)
+
+
 async def list_snapshots(address: str, timeout_s: float = 5.0) -> list[SnapshotMeta]:
     """The snapshots a peer serves, newest first. Raises SnapshotUnavailable."""
     async with _channel(address) as channel:

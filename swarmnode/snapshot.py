@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -46,8 +46,15 @@ FRAME_MIN_BYTES = 256 << 10  # planes smaller than this share the running frame
 DEFAULT_MAX_BYTES = 64 << 30
 
 DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
@@ -157,7 +164,7 @@ class _FrameWriter:
 
     def write(self, data: Any) -> None:
         if self._frame is None:
-            self._frame = self._compressor.stream_writer(self._sink, closefd=False)
+            self._frame = self._compressor.stream_writer(cast(BinaryIO, self._sink), closefd=False)
         self._frame.write(data)
         self.raw_bytes += memoryview(data).nbytes
 
@@ -182,14 +189,22 @@ def build_header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any], 
         as_planes = layout == "planes" and dtype in FLOAT_DTYPES
         if as_planes:
             planes[name] = {"dtype": dtype, "shape": list(tensor.shape)}
-            header[name] = {"dtype": "U8", "shape": [ITEMSIZE[dtype], tensor.numel()],
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": "U8",
+                "shape": [ITEMSIZE[dtype], tensor.numel()],
+                "data_offsets": [offset, offset + nbytes],
+            }
         else:
-            header[name] = {"dtype": dtype, "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
         offset += nbytes
     header["__metadata__"] = {
-        "format": FORMAT, "format_version": str(FORMAT_VERSION), "layout": layout,
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "layout": layout,
         "planes": json.dumps(planes, separators=(",", ":")),
         "swarmnode": json.dumps(metadata, separators=(",", ":"), sort_keys=True),
     }
@@ -200,7 +215,7 @@ def build_header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any], 
 
 def _write_plain(out: _FrameWriter, data: np.ndarray) -> None:
     for start in range(0, len(data), CHUNK_BYTES):
-        out.write(data[start:start + CHUNK_BYTES])
+        out.write(data[start : start + CHUNK_BYTES])
 
 
 def _write_planes(out: _FrameWriter, data: np.ndarray, itemsize: int, buffer: np.ndarray) -> None:
@@ -212,7 +227,7 @@ def _write_planes(out: _FrameWriter, data: np.ndarray, itemsize: int, buffer: np
             out.end_frame()
         for start in range(0, numel, len(buffer)):
             count = min(len(buffer), numel - start)
-            np.copyto(buffer[:count], columns[start:start + count, plane])
+            np.copyto(buffer[:count], columns[start : start + count, plane])
             out.write(buffer[:count])
     if own_frames:
         out.end_frame()
@@ -246,22 +261,40 @@ def write_snapshot(
             if fsync:
                 os.fsync(raw.fileno())
         snapshot_id = sink.sha256.hexdigest()
-        final = directory / snapshot_file_name(kind, metadata["outer_step"], metadata["inner_step"],
-                                               snapshot_id)
+        final = directory / snapshot_file_name(
+            kind, metadata["outer_step"], metadata["inner_step"], snapshot_id
+        )
         os.replace(tmp, final)
         if fsync:
             _fsync_directory(directory)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    info = SnapshotInfo(snapshot_id, final, sink.size, metadata["outer_step"], metadata["inner_step"], kind,
-                        metadata["created_at"], layout, metadata["run_id"], metadata["node_id"],
-                        metadata.get("cursor"))
+    info = SnapshotInfo(
+        snapshot_id,
+        final,
+        sink.size,
+        metadata["outer_step"],
+        metadata["inner_step"],
+        kind,
+        metadata["created_at"],
+        layout,
+        metadata["run_id"],
+        metadata["node_id"],
+        metadata.get("cursor"),
+    )
     return info, raw_bytes
 
 
-def _write_stream(sink: _HashingSink, tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any],
-                  layout: str, level: int, threads: int, on_halfway: Callable[[], None] | None) -> int:
+def _write_stream(
+    sink: _HashingSink,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, Any],
+    layout: str,
+    level: int,
+    threads: int,
+    on_halfway: Callable[[], None] | None,
+) -> int:
     out = _FrameWriter(sink, level, threads)
     out.write(build_header(tensors, metadata, layout))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -313,8 +346,9 @@ class _Decompressed:
     """Exact-size reads from the decompressed stream; a short read is a truncated file."""
 
     def __init__(self, source: _HashingSource) -> None:
-        self._reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True,
-                                                                  read_size=1 << 20)
+        self._reader = zstandard.ZstdDecompressor().stream_reader(
+            cast(BinaryIO, source), read_across_frames=True, read_size=1 << 20
+        )
 
     def read_exact(self, size: int) -> bytes:
         buffer = bytearray(size)
@@ -348,8 +382,9 @@ def _parse_header(raw: bytes) -> SnapshotHeader:
         raise SnapshotError("header lacks __metadata__")
     info = document.pop("__metadata__")
     if info.get("format") != FORMAT or info.get("format_version") != str(FORMAT_VERSION):
-        raise SnapshotError(f"not a {FORMAT} v{FORMAT_VERSION} file: {info.get('format')!r} "
-                            f"v{info.get('format_version')!r}")
+        raise SnapshotError(
+            f"not a {FORMAT} v{FORMAT_VERSION} file: {info.get('format')!r} v{info.get('format_version')!r}"
+        )
     layout = info.get("layout")
     if layout not in ("planes", "plain"):
         raise SnapshotError(f"unknown layout {layout!r}")
@@ -357,8 +392,9 @@ def _parse_header(raw: bytes) -> SnapshotHeader:
     metadata = _json_field(info, "swarmnode")
     if len(document) > MAX_TENSORS:
         raise SnapshotError(f"too many tensors: {len(document)}")
-    entries = sorted((_parse_entry(name, spec, planes) for name, spec in document.items()),
-                     key=lambda e: e.begin)
+    entries = sorted(
+        (_parse_entry(name, spec, planes) for name, spec in document.items()), key=lambda e: e.begin
+    )
     _check_contiguous(entries)
     return SnapshotHeader(metadata, layout, tuple(entries))
 
@@ -376,34 +412,46 @@ def _json_field(info: dict[str, Any], key: str) -> dict[str, Any]:
 def _parse_entry(name: str, spec: Any, planes: dict[str, Any]) -> TensorEntry:
     if len(name) > MAX_NAME_CHARS or not isinstance(spec, dict):
         raise SnapshotError(f"bad tensor entry {name[:64]!r}")
-    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if dtype not in ITEMSIZE or not _is_shape(shape) or not _is_shape(offsets) or len(offsets) != 2:
+    dtype, shape, offsets = spec.get("dtype"), _shape(spec.get("shape")), _shape(spec.get("data_offsets"))
+    if dtype not in ITEMSIZE or shape is None or offsets is None or len(offsets) != 2:
         raise SnapshotError(f"tensor {name!r}: bad dtype, shape or data_offsets")
     begin, end = offsets
     if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
-        raise SnapshotError(f"tensor {name!r}: data_offsets span {end - begin} bytes, shape says "
-                            f"{math.prod(shape) * ITEMSIZE[dtype]}")
+        raise SnapshotError(
+            f"tensor {name!r}: data_offsets span {end - begin} bytes, shape says "
+            f"{math.prod(shape) * ITEMSIZE[dtype]}"
+        )
     if name not in planes:
         return TensorEntry(name, dtype, tuple(shape), begin, end, planes=False)
-    logical = planes[name]
-    ldtype, lshape = logical.get("dtype"), logical.get("shape")
-    if ldtype not in FLOAT_DTYPES or not _is_shape(lshape) or dtype != "U8" or \
-            shape != [ITEMSIZE[ldtype], math.prod(lshape)]:
+    logical = planes[name] if isinstance(planes[name], dict) else {}
+    ldtype, lshape = logical.get("dtype"), _shape(logical.get("shape"))
+    if (
+        ldtype not in FLOAT_DTYPES
+        or lshape is None
+        or dtype != "U8"
+        or shape != [ITEMSIZE[ldtype], math.prod(lshape)]
+    ):
         raise SnapshotError(f"tensor {name!r}: planes entry disagrees with its stored shape")
     return TensorEntry(name, ldtype, tuple(lshape), begin, end, planes=True)
 
 
-def _is_shape(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= 8 and all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in value)
+def _shape(value: Any) -> list[int] | None:
+    """`value` if it is a list of at most 8 non-negative ints below 2**48, else None."""
+    ok = (
+        isinstance(value, list)
+        and len(value) <= 8
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in value)
+    )
+    return value if ok else None
 
 
 def _check_contiguous(entries: list[TensorEntry]) -> None:
     position = 0
     for entry in entries:
         if entry.begin != position:
-            raise SnapshotError(f"tensor {entry.name!r} starts at {entry.begin}, expected {position} "
-                                "(gap or overlap)")
+            raise SnapshotError(
+                f"tensor {entry.name!r} starts at {entry.begin}, expected {position} (gap or overlap)"
+            )
         position = entry.end
 
 
@@ -427,8 +475,10 @@ def check_template(header: SnapshotHeader, template: TensorTemplate, optional_pr
                 continue
             raise SnapshotError(f"snapshot lacks tensor {name!r}")
         if TORCH_DTYPES[entry.dtype] != dtype or entry.shape != tuple(shape):
-            raise SnapshotError(f"tensor {name!r} is {entry.dtype}{list(entry.shape)}, this model "
-                                f"expects {DTYPES[dtype]}{list(shape)}")
+            raise SnapshotError(
+                f"tensor {name!r} is {entry.dtype}{list(entry.shape)}, this model "
+                f"expects {DTYPES[dtype]}{list(shape)}"
+            )
     extra = [n for n in stored if n not in template and not n.startswith(optional_prefix)]
     if extra:
         raise SnapshotError(f"snapshot has {len(extra)} tensors this model lacks, e.g. {extra[0]!r}")
@@ -439,19 +489,24 @@ def _read_tensor(stream: _Decompressed, entry: TensorEntry, buffer: np.ndarray) 
     data = _tensor_bytes(tensor)
     if not entry.planes:
         for start in range(0, data.nbytes, CHUNK_BYTES):
-            stream.readinto_exact(memoryview(data[start:start + CHUNK_BYTES]))
+            stream.readinto_exact(data[start : start + CHUNK_BYTES].data)
         return tensor
     columns = data.reshape(-1, ITEMSIZE[entry.dtype])
     for plane in range(columns.shape[1]):
         for start in range(0, len(columns), len(buffer)):
             count = min(len(buffer), len(columns) - start)
-            stream.readinto_exact(memoryview(buffer[:count]))
-            columns[start:start + count, plane] = buffer[:count]
+            stream.readinto_exact(buffer[:count].data)
+            columns[start : start + count, plane] = buffer[:count]
     return tensor
 
 
-def read_snapshot(path: Path, *, expected_id: str | None = None, template: TensorTemplate | None = None,
-                  max_bytes: int = DEFAULT_MAX_BYTES) -> LoadedSnapshot:
+def read_snapshot(
+    path: Path,
+    *,
+    expected_id: str | None = None,
+    template: TensorTemplate | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> LoadedSnapshot:
     """Read, validate and verify a snapshot file; the tensors are returned only if the sha256 matches.
 
     `template` (name -> (dtype, shape)) refuses any other tensor set before allocating; without it,
@@ -468,8 +523,9 @@ def read_snapshot(path: Path, *, expected_id: str | None = None, template: Tenso
     return LoadedSnapshot(snapshot_id, header, tensors)
 
 
-def verify_snapshot(path: Path, *, expected_id: str | None = None,
-                    max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, SnapshotHeader]:
+def verify_snapshot(
+    path: Path, *, expected_id: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES
+) -> tuple[str, SnapshotHeader]:
     """Stream a snapshot through the decoder and the hash without keeping its tensors."""
     with _open(path) as raw:
         source = _HashingSource(raw)
@@ -511,8 +567,9 @@ def _finish(stream: _Decompressed, source: _HashingSource, expected_id: str | No
     source.drain()
     snapshot_id = source.sha256.hexdigest()
     if expected_id is not None and snapshot_id != expected_id:
-        raise SnapshotError(f"sha256 mismatch: file hashes to {snapshot_id[:16]}…, expected "
-                            f"{expected_id[:16]}…")
+        raise SnapshotError(
+            f"sha256 mismatch: file hashes to {snapshot_id[:16]}…, expected {expected_id[:16]}…"
+        )
     return snapshot_id
 
 
@@ -531,9 +588,19 @@ def info_from_file(path: Path) -> SnapshotInfo | None:
         return None
     kind, outer, inner, snapshot_id = parsed
     meta = read_header(path).metadata
-    return SnapshotInfo(snapshot_id, path, path.stat().st_size, outer, inner, kind,
-                        float(meta.get("created_at", 0.0)), str(meta.get("layout", "")),
-                        str(meta.get("run_id", "")), str(meta.get("node_id", "")), meta.get("cursor"))
+    return SnapshotInfo(
+        snapshot_id,
+        path,
+        path.stat().st_size,
+        outer,
+        inner,
+        kind,
+        float(meta.get("created_at", 0.0)),
+        str(meta.get("layout", "")),
+        str(meta.get("run_id", "")),
+        str(meta.get("node_id", "")),
+        meta.get("cursor"),
+    )
 
 
 def iter_snapshot_files(directory: Path) -> Iterator[Path]:
@@ -551,8 +618,11 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     offset = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
@@ -560,6 +630,5 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     with tmp.open("wb") as f:
         f.write(len(body).to_bytes(8, "little") + body)
         for tensor in tensors.values():
-            f.write(_tensor_bytes(tensor.contiguous()))
+            f.write(_tensor_bytes(tensor.contiguous()).data)
     os.replace(tmp, path)
-

@@ -55,26 +55,51 @@ class RunIdentity:
     model: str
 
 
-def run_digest(model_name: str, model_cfg: ModelConfig, seq_len: int, num_shards: int, seed: int,
-               diloco: DilocoConfig, corpus_digest: str) -> str:
+def run_digest(
+    model_name: str,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    num_shards: int,
+    seed: int,
+    diloco: DilocoConfig,
+    corpus_digest: str,
+) -> str:
     """Hash of everything that must agree across a run's nodes for their outer steps to be one."""
-    agreed = {"model": model_name, "model_cfg": asdict(model_cfg), "seq_len": seq_len,
-              "num_shards": num_shards, "seed": seed, "outer_lr": diloco.outer_lr,
-              "outer_momentum": diloco.outer_momentum, "corpus": corpus_digest, "format": 1}
+    agreed = {
+        "model": model_name,
+        "model_cfg": asdict(model_cfg),
+        "seq_len": seq_len,
+        "num_shards": num_shards,
+        "seed": seed,
+        "outer_lr": diloco.outer_lr,
+        "outer_momentum": diloco.outer_momentum,
+        "corpus": corpus_digest,
+        "format": 1,
+    }
     return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
 
 
 class TrainingRun:
     """The trainer + loader + progress of one node; all methods run on the training thread."""
 
-    def __init__(self, model_cfg: ModelConfig, diloco: DilocoConfig, loader: ShardLoader, corpus: Corpus,
-                 identity: RunIdentity, seed: int, device: torch.device, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        diloco: DilocoConfig,
+        loader: ShardLoader,
+        corpus: Corpus,
+        identity: RunIdentity,
+        seed: int,
+        device: torch.device,
+        metrics: Metrics,
+    ) -> None:
         self.identity, self.loader, self.metrics = identity, loader, metrics
         self.model = build_model(model_cfg, seed, device)
         # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
         # of (seed, node) so that a restarted node continues it exactly.
-        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8],
-                                         "little"))
+        torch.manual_seed(
+            int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
+        )
         self.trainer = DilocoTrainer(self.model, diloco, device)
         self.progress = Progress()
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
@@ -83,8 +108,9 @@ class TrainingRun:
 
     # ----- training -----
 
-    def inner_phase(self, max_steps: int, deadline: float | None, stop: threading.Event,
-                    after_step: Callable[[], None]) -> None:
+    def inner_phase(
+        self, max_steps: int, deadline: float | None, stop: threading.Event, after_step: Callable[[], None]
+    ) -> None:
         """Inner steps until the round has `max_steps`, the deadline passes, or `stop` is set."""
         p = self.progress
         while p.round_step < max_steps and not stop.is_set():
@@ -135,12 +161,21 @@ class TrainingRun:
     def state_metadata(self) -> dict[str, Any]:
         ident, p = self.identity, self.progress
         return {
-            "run_id": ident.run_id, "node_id": ident.node_id, "run_digest": ident.run_digest,
-            "corpus_digest": ident.corpus_digest, "model": ident.model,
-            "outer_step": p.outer_step, "inner_step": p.inner_step, "round_step": p.round_step,
-            "round_tokens": p.round_tokens, "tokens": p.tokens, "last_loss": p.last_loss,
-            "heldout_loss": p.heldout_loss, "cursor": self.loader.state_dict(),
-            "global_digest": self.trainer.global_digest(), "optimizer": self.trainer.state_metadata(),
+            "run_id": ident.run_id,
+            "node_id": ident.node_id,
+            "run_digest": ident.run_digest,
+            "corpus_digest": ident.corpus_digest,
+            "model": ident.model,
+            "outer_step": p.outer_step,
+            "inner_step": p.inner_step,
+            "round_step": p.round_step,
+            "round_tokens": p.round_tokens,
+            "tokens": p.tokens,
+            "last_loss": p.last_loss,
+            "heldout_loss": p.heldout_loss,
+            "cursor": self.loader.state_dict(),
+            "global_digest": self.trainer.global_digest(),
+            "optimizer": self.trainer.state_metadata(),
             "created_at": time.time(),
         }
 
@@ -158,8 +193,9 @@ class TrainingRun:
         self.loader.load_state_dict(meta["cursor"])
         self._restore_progress(meta, keep_round=True)
 
-    def restore_from_peer(self, snapshot: LoadedSnapshot, cursor: dict[str, int] | None,
-                          own_steps: tuple[int, int]) -> None:
+    def restore_from_peer(
+        self, snapshot: LoadedSnapshot, cursor: dict[str, int] | None, own_steps: tuple[int, int]
+    ) -> None:
         """Adopt the swarm's state from a peer's snapshot: global params, outer momentum and the inner
         optimizer's moments (a warm start); the local model restarts the round from the global params,
         the RNG stays this node's own, and the data position is this node's `cursor` (None: afresh)."""
@@ -184,7 +220,9 @@ class TrainingRun:
 
 
 def describe_template(template: TensorTemplate) -> str:
-    total = sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-                for dtype, shape in template.values())
+    total = sum(
+        torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        for dtype, shape in template.values()
+    )
     dtypes = sorted({DTYPES[d] for d, _ in template.values()})
     return f"{len(template)} tensors, {total / 1e6:.1f} MB ({', '.join(dtypes)})"

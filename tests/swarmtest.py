@@ -6,6 +6,7 @@ killed by the `reaper` fixture, so no test leaves a process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,9 +18,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-TINY_ARGS = ("--model", "tiny", "--threads", "1", "--seq-len", "64", "--batch-size", "4",
-             "--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0",
-             "--progress-interval", "3600")
+TINY_ARGS = (
+    "--model",
+    "tiny",
+    "--threads",
+    "1",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--host",
+    "127.0.0.1",
+    "--grpc-port",
+    "0",
+    "--dht-port",
+    "0",
+    "--metrics-port",
+    "0",
+    "--progress-interval",
+    "3600",
+)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
@@ -43,8 +61,13 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
 class NodeProcess:
     """A `swarmnode run` child with its own data dir and log file."""
 
-    def __init__(self, data_dir: Path, args: Sequence[str], faults: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        args: Sequence[str],
+        faults: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.args = [*TINY_ARGS, "--data-dir", str(self.data_dir), *args]
@@ -65,9 +88,13 @@ class NodeProcess:
     def start(self) -> NodeProcess:
         (self.data_dir / "node.json").unlink(missing_ok=True)
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmnode.cli", "run", *self.args],
-                                     stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmnode.cli", "run", *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
         log.close()
         return self
 
@@ -119,18 +146,21 @@ class ProcessReaper:
     def __init__(self) -> None:
         self.nodes: list[NodeProcess] = []
 
-    def node(self, data_dir: Path, args: Sequence[str], faults: str | None = None,
-             env: dict[str, str] | None = None) -> NodeProcess:
+    def node(
+        self,
+        data_dir: Path,
+        args: Sequence[str],
+        faults: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> NodeProcess:
         node = NodeProcess(data_dir, args, faults, env)
         self.nodes.append(node)
         return node
 
     def kill_all(self) -> None:
         for node in self.nodes:
-            try:
+            with contextlib.suppress(Exception):  # best effort: every node gets its kill
                 node.kill()
-            except Exception:  # noqa: BLE001 - best effort cleanup
-                pass
 
 
 def newest_snapshot(data_dir: Path) -> Path:
@@ -141,15 +171,22 @@ def newest_snapshot(data_dir: Path) -> Path:
     return files[0]
 
 
-def start_swarm(reaper: ProcessReaper, base: Path, count: int, args: Sequence[str],
-                faults: Sequence[str | None] | None = None) -> list[NodeProcess]:
+def start_swarm(
+    reaper: ProcessReaper,
+    base: Path,
+    count: int,
+    args: Sequence[str],
+    faults: Sequence[str | None] | None = None,
+) -> list[NodeProcess]:
     """`count` nodes on loopback: the first starts the swarm, the others bootstrap from its DHT port."""
     faults = faults or [None] * count
     first = reaper.node(base / "n0", args, faults[0]).start()
     dht_port = first.wait_ready()["dht_port"]
     nodes = [first]
     for i in range(1, count):
-        nodes.append(reaper.node(base / f"n{i}", [*args, "--peers", f"127.0.0.1:{dht_port}"], faults[i]).start())
+        nodes.append(
+            reaper.node(base / f"n{i}", [*args, "--peers", f"127.0.0.1:{dht_port}"], faults[i]).start()
+        )
     for node in nodes[1:]:
         node.wait_ready()
     return nodes
@@ -157,8 +194,12 @@ def start_swarm(reaper: ProcessReaper, base: Path, count: int, args: Sequence[st
 
 def node_status(node: NodeProcess) -> dict[str, Any]:
     """`swarmnode status --json` of a running node."""
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

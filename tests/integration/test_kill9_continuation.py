@@ -7,16 +7,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from swarmnode.recovery import read_receipts
-from swarmnode.snapshot import read_snapshot
 from swarmtest import newest_snapshot
 
 from swarmnode.identity import Identity
+from swarmnode.recovery import read_receipts
+from swarmnode.snapshot import read_snapshot
 
 # Both runs are the same node (one identity key), so they own the same shard and RNG stream.
-RUN_ARGS = ("--inner-steps", "12", "--hot-every", "5", "--cold-every", "2", "--max-outer-steps", "3",
-            "--keep-hot", "2", "--seed", "3")
+RUN_ARGS = (
+    "--inner-steps",
+    "12",
+    "--hot-every",
+    "5",
+    "--cold-every",
+    "2",
+    "--max-outer-steps",
+    "3",
+    "--keep-hot",
+    "2",
+    "--seed",
+    "3",
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,9 @@ def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
 
 
 @pytest.mark.parametrize("fault", ["kill@inner_step#17", "kill@snapshot_halfway#3"])
-def test_killed_run_continues_bit_identically(fault: str, tmp_path: Path, reaper, uninterrupted,
-                                              run_args) -> None:
+def test_killed_run_continues_bit_identically(
+    fault: str, tmp_path: Path, reaper, uninterrupted, run_args
+) -> None:
     first = reaper.node(tmp_path, run_args, faults=fault).start()
     assert first.wait(180) == -signal.SIGKILL, first.log()
     assert not list((tmp_path / "snapshots").glob("*.snap.zst.part")) or fault.startswith("kill@snapshot")
@@ -71,8 +83,9 @@ def test_killed_run_continues_bit_identically(fault: str, tmp_path: Path, reaper
     assert 0 < resumed["inner_step"] <= 17
 
 
-def test_corrupt_newest_snapshot_falls_back_to_the_previous(tmp_path: Path, reaper, uninterrupted,
-                                                             run_args) -> None:
+def test_corrupt_newest_snapshot_falls_back_to_the_previous(
+    tmp_path: Path, reaper, uninterrupted, run_args
+) -> None:
     first = reaper.node(tmp_path, run_args, faults="kill@inner_step#23").start()
     assert first.wait(180) == -signal.SIGKILL
     newest = newest_snapshot(tmp_path)

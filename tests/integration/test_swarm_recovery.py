@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
+
 from swarmnode import rpc
 from swarmnode.announcements import Announcement, snapshots_key
 from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.identity import Identity
 from swarmnode.recovery import read_receipts
-from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")
 
@@ -51,8 +52,11 @@ def test_killed_node_without_snapshots_recovers_from_a_neighbour(tmp_path: Path,
     assert len(receipt["snapshot_id"]) == 64 and receipt["bytes"] > 0
     assert receipt["cursor_source"] == "announcement" and receipt["cursor"] == last.cursor
     assert set(receipt["stages_s"]) >= {"lookup", "fetch", "verify", "load"}
-    status = wait_for(lambda: (s := node_status(victim))["inner_step"] > receipt["inner_step"] and s, 60,
-                      "the recovered node to train on")
+    status = wait_for(
+        lambda: (s := node_status(victim))["inner_step"] > receipt["inner_step"] and s,
+        60,
+        "the recovered node to train on",
+    )
     assert status["node_id"] == victim_id and status["outer_step"] >= receipt["outer_step"]
     assert "recovered from peer snapshot" in victim.log()
 
@@ -60,12 +64,23 @@ def test_killed_node_without_snapshots_recovers_from_a_neighbour(tmp_path: Path,
 def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tmp_path: Path, reaper) -> None:
     # The two bad servers run at full speed, the honest one slowed down: the bad ones are fresher
     # and are tried first.
-    nodes = start_swarm(reaper, tmp_path, 3, ARGS, faults=[
-        "sleep@inner_step=0.15", "corrupt@serve_chunk#1", "truncate@serve_stream=100000"])
+    nodes = start_swarm(
+        reaper,
+        tmp_path,
+        3,
+        ARGS,
+        faults=["sleep@inner_step=0.15", "corrupt@serve_chunk#1", "truncate@serve_stream=100000"],
+    )
     honest = nodes[0]
     dht_port = honest.info["dht_port"]
-    wait_for(lambda: len(announcements(dht_port)) == 3 and
-             min(a.outer_step for a in announcements(dht_port).values()) >= 1, 90, "three announcements")
+    wait_for(
+        lambda: (
+            len(announcements(dht_port)) == 3
+            and min(a.outer_step for a in announcements(dht_port).values()) >= 1
+        ),
+        90,
+        "three announcements",
+    )
     joiner = reaper.node(tmp_path / "joiner", [*ARGS, "--peers", f"127.0.0.1:{dht_port}"]).start()
     receipt = wait_for(lambda: read_receipts(joiner.data_dir), 90, "the joiner's receipt")[0]
     assert receipt["source"] == "peer" and receipt["peer"] == honest.grpc_address, receipt
@@ -79,8 +94,9 @@ def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tm
 
 def test_a_peer_of_another_run_configuration_is_never_used(tmp_path: Path, reaper) -> None:
     nodes = start_swarm(reaper, tmp_path, 2, ARGS, faults=["sleep@inner_step=0.1", None])
-    stranger = reaper.node(tmp_path / "stranger", [*ARGS, "--seed", "7", "--peers",
-                                                  f"127.0.0.1:{nodes[0].info['dht_port']}"]).start()
+    stranger = reaper.node(
+        tmp_path / "stranger", [*ARGS, "--seed", "7", "--peers", f"127.0.0.1:{nodes[0].info['dht_port']}"]
+    ).start()
     stranger.wait_ready()
     dht_port = nodes[0].info["dht_port"]
     wait_for(lambda: len(announcements(dht_port)) == 3, 90, "three announcements")
@@ -92,12 +108,16 @@ def test_a_peer_of_another_run_configuration_is_never_used(tmp_path: Path, reape
 
 
 def test_one_fetch_over_max_serving_is_refused_while_training_goes_on(tmp_path: Path, reaper) -> None:
-    (node,) = start_swarm(reaper, tmp_path, 1, [*ARGS, "--max-serving", "2"], faults=["sleep@serve_chunk=0.5"])
+    (node,) = start_swarm(
+        reaper, tmp_path, 1, [*ARGS, "--max-serving", "2"], faults=["sleep@serve_chunk=0.5"]
+    )
     wait_for(lambda: node_status(node)["snapshots"], 60, "a snapshot to serve")
 
     async def three_fetches() -> list[object]:
-        fetches = [rpc.fetch_snapshot(node.grpc_address, tmp_path / f"f{i}.snap.zst", chunk_timeout_s=30)
-                   for i in range(3)]
+        fetches = [
+            rpc.fetch_snapshot(node.grpc_address, tmp_path / f"f{i}.snap.zst", chunk_timeout_s=30)
+            for i in range(3)
+        ]
         tasks = [asyncio.create_task(f) for f in fetches]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION, timeout=30)
         for task in pending:
@@ -118,13 +138,29 @@ def test_fetch_command_output_equals_the_served_file(tmp_path: Path, reaper) -> 
     snapshot = wait_for(lambda: node_status(node)["snapshots"], 60, "a snapshot to serve")[0]
     served = next((node.data_dir / "snapshots").glob(f"*{snapshot['snapshot_id']}.snap.zst"))
     out = tmp_path / "fetched.snap.zst"
-    result = subprocess.run([sys.executable, "-m", "swarmnode.cli", "fetch", node.grpc_address, "--snapshot",
-                             snapshot["snapshot_id"], "--out", str(out)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmnode.cli",
+            "fetch",
+            node.grpc_address,
+            "--snapshot",
+            snapshot["snapshot_id"],
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert hashlib.sha256(out.read_bytes()).hexdigest() == snapshot["snapshot_id"]
     assert out.read_bytes() == served.read_bytes()
-    inspect = subprocess.run([sys.executable, "-m", "swarmnode.cli", "inspect", str(out)], capture_output=True,
-                             text=True, timeout=60)
+    inspect = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "inspect", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert inspect.returncode == 0 and snapshot["snapshot_id"] in inspect.stdout
-

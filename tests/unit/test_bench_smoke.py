@@ -8,8 +8,12 @@ import sys
 
 
 def test_snapshot_bench_emits_json_with_ratios() -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "bench", "snapshot", "--model", "tiny", "--json"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "bench", "snapshot", "--model", "tiny", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["bench"] == "snapshot" and report["preset"] == "tiny"

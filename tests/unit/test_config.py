@@ -33,23 +33,43 @@ def test_precedence_is_flag_over_env_over_toml(tmp_path: Path) -> None:
 
 
 def test_every_flag_has_an_env_twin() -> None:
-    env = {"SWARMNODE_MATCHMAKING_TIMEOUT": "2.5", "SWARMNODE_PEERS": "node1:8468,10.0.0.2:9",
-           "SWARMNODE_WIRE_DTYPE": "int8", "SWARMNODE_DATA_DIR": "/tmp/x"}
+    env = {
+        "SWARMNODE_MATCHMAKING_TIMEOUT": "2.5",
+        "SWARMNODE_PEERS": "node1:8468,10.0.0.2:9",
+        "SWARMNODE_WIRE_DTYPE": "int8",
+        "SWARMNODE_DATA_DIR": "/tmp/x",
+    }
     cfg = parse([], env)
     assert cfg.matchmaking_timeout_s == 2.5 and cfg.peers == ("node1:8468", "10.0.0.2:9")
     assert cfg.wire_dtype == "int8" and cfg.data_dir == Path("/tmp/x")
     assert all(f.env == "SWARMNODE_" + f.option[2:].replace("-", "_").upper() for f in FLAGS)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--inner-steps", "0"], ["--inner-steps", "x"], ["--outer-lr", "-1"], ["--grpc-port", "70000"],
-    ["--model", "huge"], ["--peers", "nohost"], ["--outer-momentum", "1.5"], ["--layout", "zip"],
-    ["--shard", "20", "--num-shards", "4"], ["--run-id", "a b"], ["--tls-cert", "c.pem"],
-    ["--hot-level", "99"], ["--seq-len", "100000", "--model", "tiny"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--inner-steps", "0"],
+        ["--inner-steps", "x"],
+        ["--outer-lr", "-1"],
+        ["--grpc-port", "70000"],
+        ["--model", "huge"],
+        ["--peers", "nohost"],
+        ["--outer-momentum", "1.5"],
+        ["--layout", "zip"],
+        ["--shard", "20", "--num-shards", "4"],
+        ["--run-id", "a b"],
+        ["--tls-cert", "c.pem"],
+        ["--hot-level", "99"],
+        ["--seq-len", "100000", "--model", "tiny"],
+    ],
+)
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--data-dir", str(tmp_path), *argv],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "run", "--data-dir", str(tmp_path), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -66,8 +86,13 @@ def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:
 
 
 def test_help_documents_every_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--help"], capture_output=True,
-                         text=True, timeout=60, env={"COLUMNS": "200", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"COLUMNS": "200", "PATH": ""},
+    )
     assert out.returncode == 0
     for flag in FLAGS:
         assert flag.option in out.stdout, flag.option
@@ -75,8 +100,22 @@ def test_help_documents_every_flag() -> None:
 
 
 def test_dry_run_prints_config_without_the_token(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "run", "--dry-run", "--swarm-token", "s3cret",
-                          "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmnode.cli",
+            "run",
+            "--dry-run",
+            "--swarm-token",
+            "s3cret",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "s3cret" not in out.stdout + out.stderr
     assert '"swarm_token": "***"' in out.stdout
 

@@ -59,7 +59,8 @@ def test_shards_are_disjoint_and_exclude_heldout(corpus) -> None:
     assert last._start + last.num_windows * 64 + 1 <= corpus.train_len
     held = a.heldout_batches(2)
     assert held and held[0].inputs.shape == (2, 64)
-    assert [torch.equal(x.inputs, y.inputs) for x, y in zip(held, b.heldout_batches(2))] == [True, True]
+    pairs = zip(held, b.heldout_batches(2), strict=True)
+    assert all(torch.equal(x.inputs, y.inputs) for x, y in pairs)
 
 
 def test_shard_choice_is_a_pure_function_of_the_node_id() -> None:

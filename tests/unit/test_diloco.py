@@ -33,9 +33,12 @@ def reference_rounds(rounds: list[list[Batch]]) -> torch.Tensor:
     model = build_model(CFG, 0, torch.device("cpu"))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    inner = torch.optim.AdamW([{"params": decay, "weight_decay": DILOCO.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=DILOCO.inner_lr, betas=DILOCO.betas, foreach=False)
+    inner = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": DILOCO.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=DILOCO.inner_lr,
+        betas=DILOCO.betas,
+        foreach=False,
+    )
     theta_global = flat(model)
     momentum = torch.zeros_like(theta_global)
     for round_batches in rounds:
@@ -48,12 +51,13 @@ def reference_rounds(rounds: list[list[Batch]]) -> torch.Tensor:
         delta = theta_global - flat(model)
         # m ← μ·m + Δ;  θ_g ← θ_g − lr·(Δ + μ·m)   (Nesterov), in the same float op order as the trainer
         momentum = momentum.mul(DILOCO.outer_momentum).add(delta)
-        theta_global = theta_global.add(delta.add(momentum, alpha=DILOCO.outer_momentum),
-                                        alpha=-DILOCO.outer_lr)
+        theta_global = theta_global.add(
+            delta.add(momentum, alpha=DILOCO.outer_momentum), alpha=-DILOCO.outer_lr
+        )
         offset = 0
         with torch.no_grad():
             for p in model.parameters():
-                p.copy_(theta_global[offset:offset + p.numel()].view_as(p))
+                p.copy_(theta_global[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
     return theta_global
 

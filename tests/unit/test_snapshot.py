@@ -133,8 +133,13 @@ def _raw_snapshot(path: Path, header: dict, data: bytes = b"", length: int | Non
 
 
 def _meta(layout: str = "plain", planes: dict | None = None) -> dict:
-    return {"format": "swarmnode-snapshot", "format_version": "1", "layout": layout,
-            "planes": json.dumps(planes or {}), "swarmnode": json.dumps(META)}
+    return {
+        "format": "swarmnode-snapshot",
+        "format_version": "1",
+        "layout": layout,
+        "planes": json.dumps(planes or {}),
+        "swarmnode": json.dumps(META),
+    }
 
 
 class Evil:
@@ -154,18 +159,37 @@ def test_pickle_payload_is_refused_and_never_executed(tmp_path: Path) -> None:
     assert not marker.exists(), "a snapshot read executed pickled code"
 
 
-@pytest.mark.parametrize("case", ["huge_header_length", "offsets_lie", "huge_declared", "wrong_dtype",
-                                  "gap", "not_json", "planes_shape_lie", "no_metadata"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "huge_header_length",
+        "offsets_lie",
+        "huge_declared",
+        "wrong_dtype",
+        "gap",
+        "not_json",
+        "planes_shape_lie",
+        "no_metadata",
+    ],
+)
 def test_malformed_headers_are_refused_without_allocating(tmp_path: Path, case: str) -> None:
     f4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     headers = {
         "offsets_lie": {"__metadata__": _meta(), "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}},
-        "huge_declared": {"__metadata__": _meta(), "a": {"dtype": "F32", "shape": [1 << 40],
-                                                         "data_offsets": [0, 1 << 42]}},
+        "huge_declared": {
+            "__metadata__": _meta(),
+            "a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]},
+        },
         "wrong_dtype": {"__metadata__": _meta(), "a": {"dtype": "O", "shape": [4], "data_offsets": [0, 16]}},
-        "gap": {"__metadata__": _meta(), "a": f4, "b": {"dtype": "F32", "shape": [4], "data_offsets": [32, 48]}},
-        "planes_shape_lie": {"__metadata__": _meta("planes", {"a": {"dtype": "F32", "shape": [8]}}),
-                             "a": {"dtype": "U8", "shape": [4, 4], "data_offsets": [0, 16]}},
+        "gap": {
+            "__metadata__": _meta(),
+            "a": f4,
+            "b": {"dtype": "F32", "shape": [4], "data_offsets": [32, 48]},
+        },
+        "planes_shape_lie": {
+            "__metadata__": _meta("planes", {"a": {"dtype": "F32", "shape": [8]}}),
+            "a": {"dtype": "U8", "shape": [4, 4], "data_offsets": [0, 16]},
+        },
         "no_metadata": {"a": f4},
     }
     path = tmp_path / "bad.snap.zst"
@@ -180,13 +204,16 @@ def test_malformed_headers_are_refused_without_allocating(tmp_path: Path, case: 
 
 
 def test_template_refuses_foreign_tensor_sets(tmp_path: Path) -> None:
-    info, _ = write_snapshot(tmp_path, {"a": torch.zeros(4), "rng/torch": torch.zeros(3, dtype=torch.uint8)},
-                             META, kind="hot")
+    info, _ = write_snapshot(
+        tmp_path, {"a": torch.zeros(4), "rng/torch": torch.zeros(3, dtype=torch.uint8)}, META, kind="hot"
+    )
     with pytest.raises(SnapshotError, match="expects"):
         read_snapshot(info.path, template={"a": (torch.float32, (5,))})
     with pytest.raises(SnapshotError, match="lacks"):
         read_snapshot(info.path, template={"a": (torch.float32, (4,)), "b": (torch.float32, (1,))})
-    loaded = read_snapshot(info.path, template={"a": (torch.float32, (4,)), "rng/cuda/0": (torch.uint8, (16,))})
+    loaded = read_snapshot(
+        info.path, template={"a": (torch.float32, (4,)), "rng/cuda/0": (torch.uint8, (16,))}
+    )
     assert set(loaded.tensors) == {"a", "rng/torch"}
 
 
