@@ -79,6 +79,8 @@ MAX_ANSWER_ITEMS = 64
 """Entries or contacts read from one answer; more are ignored (a legitimate answer has fewer)."""
 MAINTENANCE_INTERVAL_S = 60.0
 """How often expired entries are culled and lonely routing buckets refreshed."""
+REJOIN_INTERVAL_S = 2.0
+"""How often a node that reached none of its bootstrap peers tries them again."""
 _LOOKUP_TIMEOUT_FACTOR = 5
 """A crawl gives up after this many request timeouts and uses what it has."""
 _HANDOFF_BATCH = 8
@@ -534,13 +536,38 @@ class SwarmDHT:
             asyncio.create_task(self._maintenance_loop(), name="dht-maintenance"),
             asyncio.create_task(self._reannounce_loop(), name="dht-reannounce"),
         ]
+        await self._join(bootstrap)
+        if bootstrap and not self.peer_count():
+            logger.warning(
+                "DHT node %s reached none of its peers %s yet; retrying in the background",
+                self._identity.node_id_hex,
+                bootstrap,
+            )
+            self._tasks.append(asyncio.create_task(self._rejoin_loop(bootstrap), name="dht-rejoin"))
+        logger.info("DHT node %s on %s:%d", self._identity.node_id_hex, self._config.host, self.port)
+
+    async def _join(self, bootstrap: Sequence[str]) -> None:
+        server = self._running()
         family = server.transport.get_extra_info("socket").family
         addrs = await resolve_peers(bootstrap, family, self._config.request_timeout_s)
         if addrs:
             await server.bootstrap(addrs)
-        if bootstrap and not self.peer_count():
-            logger.warning("DHT node %s reached none of its peers %s", self._identity.node_id_hex, bootstrap)
-        logger.info("DHT node %s on %s:%d", self._identity.node_id_hex, self._config.host, self.port)
+
+    async def _rejoin_loop(self, bootstrap: Sequence[str]) -> None:
+        """Peers started at the same moment (a compose swarm) may not listen yet: keep knocking."""
+        while not self.peer_count():
+            await asyncio.sleep(REJOIN_INTERVAL_S)
+            await self._join(bootstrap)
+        logger.info("DHT node %s joined through %s", self._identity.node_id_hex, bootstrap)
+
+    async def wait_for_peers(self, timeout_s: float) -> bool:
+        """True once the routing table holds a node, False if `timeout_s` passes first."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.peer_count():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def _make_server(self) -> _SwarmServer:
         config, storage = self._config, self._storage

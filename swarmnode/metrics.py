@@ -26,7 +26,7 @@ FETCH_FAILURE_REASONS = (
 RECOVERY_SOURCES = ("local", "peer", "fresh")
 DHT_REJECT_REASONS = ("bad_signature", "oversized", "expired", "ttl_too_long", "malformed", "quota")
 SNAPSHOT_FAILURE_REASONS = ("disk_full", "io_error")
-ROUND_FAILURE_REASONS = ("no_partners", "timeout", "low_coverage", "error")
+ROUND_FAILURE_REASONS = ("no_partners", "digest_mismatch", "low_coverage", "partial", "error")
 
 
 class Metrics:

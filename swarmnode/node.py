@@ -19,25 +19,32 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import start_http_server
 
 from swarmnode import faults, rpc
 from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
+from swarmnode.averaging import AveragingServicer, GroupSpec, propose_group
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.config import ConfigError, NodeConfig
 from swarmnode.data import ShardLoader, load_corpus, shard_for_node
 from swarmnode.dht import DHTConfig, SwarmDHT
-from swarmnode.diloco import Averager, DilocoConfig, SoloAverager
+from swarmnode.diloco import DilocoConfig
 from swarmnode.identity import Identity
+from swarmnode.matchmaking import Matchmaker, Offer
 from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
 from swarmnode.recovery import Receipt, Recovery, append_receipt
+from swarmnode.rounds import RoundResult, SwarmRounds
 from swarmnode.snapshot import SnapshotInfo, sha256_file
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
 
 logger = logging.getLogger(__name__)
 progress_logger = logging.getLogger("swarmnode.progress")
+
+JOIN_WAIT_S = 15.0
+"""How long a starting node waits for its --peers to answer before it recovers without them."""
 
 
 @dataclass
@@ -58,7 +65,9 @@ class Node:
         self.phase = "starting"
         self._stop = threading.Event()
         self._pending_receipt: Receipt | None = None
-        self.averager: Averager = SoloAverager()
+        self._repair_from: tuple[Offer, ...] = ()
+        self.last_round: RoundResult | None = None
+        self.repairs = 0
         self._ignored_runs: set[str] = set()
         self._announce_task: asyncio.Task[None] | None = None
 
@@ -155,6 +164,7 @@ class Node:
 
     async def _round_loop(self) -> None:
         while not self._finished():
+            await self._catch_up()
             self.phase = "inner"
             await asyncio.to_thread(self._inner_phase)
             if self._stop.is_set():
@@ -177,15 +187,64 @@ class Node:
 
     async def _outer_step(self) -> None:
         run = self.run_state
-        delta = run.trainer.pseudo_gradient()
-        averaged = await self.averager.average(
-            delta, float(run.progress.round_tokens), run.progress.outer_step
+        p = run.progress
+        peers = await self._peer_announcements()
+        expected = sum(1 for a in peers if a.outer_step >= p.outer_step - 1)
+        result = await self.rounds.average(
+            run.trainer.pseudo_gradient(),
+            float(p.round_tokens),
+            p.outer_step,
+            run.trainer.global_digest(),
+            run.loader.state_dict(),
+            expected,
         )
-        await asyncio.to_thread(run.apply_outer, averaged)
-        self.metrics.group_size.set(averaged.group_size)
-        self.metrics.coverage.set(averaged.coverage)
-        if run.progress.outer_step % self.cfg.cold_every == 0:
+        self.last_round = result
+        if result.averaged is None:
+            self._repair_from = result.repair_from
+            return
+        await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors)
+        if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
+
+    # ----- catching up with the swarm -----
+
+    async def _catch_up(self) -> None:
+        """Before an inner phase: if this node's global params went astray (a digest in the minority) or
+        its outer step is behind the swarm's, adopt an up-to-date member's snapshot (a repair)."""
+        p = self.run_state.progress
+        agreeing = {o.node_id for o in self._repair_from}
+        self._repair_from = ()
+        peers = await self._peer_announcements()
+        ahead = [a for a in peers if a.outer_step > p.outer_step]
+        if agreeing and not ahead:  # the majority may still be finishing the round's outer step
+            ahead = await self._wait_for_peers_ahead(p.outer_step) or [
+                a for a in peers if a.node_id in agreeing
+            ]
+        if not ahead:
+            return
+        why = (
+            "its global params disagreed with the majority"
+            if agreeing
+            else (f"it was behind the swarm (outer step {p.outer_step} < {max(a.outer_step for a in ahead)})")
+        )
+        self.phase = "repairing"
+        ahead.sort(key=lambda a: a.freshness, reverse=True)
+        if await self.recovery.repair(ahead, p.committed_cursor):
+            self.repairs += 1
+            self.metrics.repairs.inc()
+            logger.warning(
+                "repaired: %s; now at outer step %d with the swarm's global params", why, p.outer_step
+            )
+            await asyncio.to_thread(self._snapshot, "hot")
+
+    async def _wait_for_peers_ahead(self, outer_step: int) -> list[Announcement]:
+        deadline = time.monotonic() + self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            ahead = [a for a in await self._peer_announcements() if a.outer_step > outer_step]
+            if ahead:
+                return ahead
+            await asyncio.sleep(0.5)
+        return []
 
     def _snapshot(self, kind: str) -> bool:
         run = self.run_state
@@ -241,9 +300,11 @@ class Node:
     async def _recover(self) -> None:
         self.phase = "recovering"
         started = time.perf_counter()
+        if self.cfg.peers and not await self.dht.wait_for_peers(JOIN_WAIT_S):
+            logger.warning("no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S)
         peers, own = await self._lookup_announcements()
         lookup_s = time.perf_counter() - started
-        recovery = Recovery(
+        self.recovery = recovery = Recovery(
             self.run_state,
             self.cfg.snapshot_dir,
             self._fetch_for_recovery,
@@ -284,34 +345,39 @@ class Node:
             )
 
     async def _lookup_announcements(self) -> tuple[list[Announcement], Announcement | None]:
-        """Peers' announcements usable for recovery, and this node's own last one (for its cursor)."""
-        if not self.cfg.peers:
-            return [], None
+        """Peers' announcements of this run, and this node's own last one (for its cursor)."""
         entries = await self.dht.get(snapshots_key(self.cfg.run_id))
         peers: list[Announcement] = []
         own = None
         for node_id, entry in entries.items():
             announcement = Announcement.from_value(node_id, entry.value)
             if announcement is None:
-                logger.warning("ignoring a malformed announcement from %s", node_id[:12])
+                self._warn_once(node_id, "ignoring a malformed announcement from %s", node_id[:12])
             elif node_id == self.node_id:
                 own = announcement
             elif self._same_run(announcement):
                 peers.append(announcement)
         return peers, own
 
+    async def _peer_announcements(self) -> list[Announcement]:
+        return (await self._lookup_announcements())[0]
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._ignored_runs:
+            self._ignored_runs.add(key)
+            logger.warning(message, *args)
+
     def _same_run(self, announcement: Announcement) -> bool:
         if announcement.run_digest == self.run_state.identity.run_digest:
             return True
-        if announcement.node_id not in self._ignored_runs:
-            self._ignored_runs.add(announcement.node_id)
-            logger.warning(
-                "peer %s (%s) runs another configuration (run digest %s… vs ours %s…): not using it",
-                announcement.node_id[:12],
-                announcement.address,
-                announcement.run_digest[:12],
-                self.run_state.identity.run_digest[:12],
-            )
+        self._warn_once(
+            announcement.node_id,
+            "peer %s (%s) runs another configuration (run digest %s… vs ours %s…): not using it",
+            announcement.node_id[:12],
+            announcement.address,
+            announcement.run_digest[:12],
+            self.run_state.identity.run_digest[:12],
+        )
         return False
 
     async def _fetch_for_recovery(self, peer: Announcement, target: Path) -> str:
@@ -344,6 +410,11 @@ class Node:
         services.callback(metrics_server.shutdown)
         self.ports.metrics = metrics_server.server_port
         services.push_async_callback(asyncio.to_thread, self.checkpointer.close)
+        self.averaging = AveragingServicer(
+            self.node_id,
+            on_proposal=self._on_proposal,
+            on_rejected=lambda reason: self.metrics.rpc_rejected.labels(reason).inc(),
+        )
         self.rpc_server = await rpc.start_server(
             cfg.host,
             cfg.grpc_port,
@@ -351,6 +422,7 @@ class Node:
             self.rpc_status,
             max_serving=cfg.max_serving,
             on_served=self._on_served,
+            extra_servicers=[self.averaging.register],
             faults=_serve_faults(),
         )
         services.push_async_callback(self.rpc_server.stop, 1.0)
@@ -364,6 +436,20 @@ class Node:
         services.push_async_callback(self.dht.stop)
         self.ports.dht = self.dht.port
         self.metrics.dht_peers.set_function(self.dht.peer_count)
+        self.matchmaker = Matchmaker(
+            self.dht,
+            self.node_id,
+            f"{cfg.advertised_host}:{self.ports.grpc}",
+            cfg.run_id,
+            self.run_state.identity.run_digest,
+            cfg.wire_dtype,
+            cfg.matchmaking_timeout_s,
+            cfg.allreduce_timeout_s,
+            propose_group,
+        )
+        self.rounds = SwarmRounds(
+            self.matchmaker, self.averaging, self.node_id, cfg.min_coverage, self.metrics
+        )
         logger.info(
             "listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
             cfg.host,
@@ -373,6 +459,10 @@ class Node:
             self.ports.metrics,
             cfg.advertised_host,
         )
+
+    async def _on_proposal(self, spec: GroupSpec) -> bool:
+        matchmaker = getattr(self, "matchmaker", None)
+        return matchmaker is not None and await matchmaker.on_proposal(spec)
 
     def _on_served(self, snapshot_id: str) -> None:
         self.metrics.snapshots_served.inc()
@@ -429,7 +519,19 @@ class Node:
             cursor=rpc.CursorStatus(cursor["shard"], cursor["epoch"], cursor["position"]),
             peers=self.dht.peer_count(),
             global_digest=run.trainer.global_digest(),
+            **self._round_status(),
         )
+
+    def _round_status(self) -> dict[str, Any]:
+        last = self.last_round
+        if last is None:
+            return {"repairs": self.repairs}
+        return {
+            "last_group": last.group,
+            "last_coverage": last.coverage,
+            "last_allreduce_s": last.seconds,
+            "repairs": self.repairs,
+        }
 
 
 def _serve_faults() -> rpc.ServeFaults | None:

@@ -90,6 +90,10 @@ class CursorChoice:
     steps: tuple[int, int]  # (inner_step, tokens) of this node as of that cursor
 
 
+CursorRule = Callable[[dict[str, Any]], "CursorChoice"]
+"""Picks this node's cursor given the metadata of the peer snapshot being adopted."""
+
+
 class Recovery:
     """One start's recovery: candidates in, a restored `TrainingRun` and a receipt out."""
 
@@ -113,8 +117,12 @@ class Recovery:
             reverse=True,
         )
         failed: list[str] = []
+
+        def freshest_own(meta: dict[str, Any]) -> CursorChoice:
+            return self._own_cursor(own, meta.get("round_cursors"))
+
         for candidate in candidates:
-            receipt = await self._try(candidate, own, failed)
+            receipt = await self._try(candidate, freshest_own, failed)
             if receipt is not None:
                 receipt.stages_s["lookup"] = lookup_s
                 receipt.failed_candidates = failed
@@ -131,12 +139,12 @@ class Recovery:
             failed_candidates=failed,
         )
 
-    async def _try(self, candidate: Candidate, own: Announcement | None, failed: list[str]) -> Receipt | None:
+    async def _try(self, candidate: Candidate, choose: CursorRule, failed: list[str]) -> Receipt | None:
         try:
             if candidate.path is not None:
                 return await asyncio.to_thread(self._restore_local, candidate.path)
             assert candidate.announcement is not None
-            return await self._restore_peer(candidate.announcement, own)
+            return await self._restore_peer(candidate.announcement, choose)
         except SnapshotError as exc:
             if candidate.path is not None:
                 quarantine(candidate.path, str(exc))
@@ -151,6 +159,21 @@ class Recovery:
             failed.append(f"{candidate.describe()}: {exc}")
         logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
         return None
+
+    async def repair(self, peers: list[Announcement], cursor: dict[str, int] | None) -> bool:
+        """Adopt the freshest of `peers`' snapshots that verifies, keeping this node's `cursor` and step
+        counters (a catch-up during training, not a restart: no receipt)."""
+        steps = (self.run.progress.inner_step, self.run.progress.tokens)
+
+        def keep_committed(meta: dict[str, Any]) -> CursorChoice:
+            return CursorChoice(cursor, "committed", steps)
+
+        failed: list[str] = []
+        for peer in peers:
+            candidate = Candidate(peer.outer_step, peer.inner_step, announcement=peer)
+            if await self._try(candidate, keep_committed, failed):
+                return True
+        return False
 
     def _restore_local(self, path: Path) -> Receipt:
         snapshot_id = parse_snapshot_name(path.name)[3]  # type: ignore[index]
@@ -175,7 +198,7 @@ class Recovery:
             loss_before=loaded.metadata.get("last_loss"),
         )
 
-    async def _restore_peer(self, peer: Announcement, own: Announcement | None) -> Receipt:
+    async def _restore_peer(self, peer: Announcement, choose: CursorRule) -> Receipt:
         incoming = self.snapshot_dir / ".incoming"
         incoming.mkdir(parents=True, exist_ok=True)
         target = incoming / f"from-{peer.node_id}.snap.zst"
@@ -183,7 +206,7 @@ class Recovery:
         try:
             snapshot_id = await self.fetch(peer, target)
             fetched = time.perf_counter()
-            receipt = await asyncio.to_thread(self._load_peer_file, peer, snapshot_id, own, target)
+            receipt = await asyncio.to_thread(self._load_peer_file, peer, snapshot_id, choose, target)
         finally:
             target.unlink(missing_ok=True)
         receipt.stages_s["fetch"] = fetched - started
@@ -191,14 +214,14 @@ class Recovery:
         return receipt
 
     def _load_peer_file(
-        self, peer: Announcement, snapshot_id: str, own: Announcement | None, path: Path
+        self, peer: Announcement, snapshot_id: str, choose: CursorRule, path: Path
     ) -> Receipt:
         started = time.perf_counter()
         loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
         if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
             raise SnapshotError("its run digest differs from the one it announced")
         verified = time.perf_counter()
-        cursor = self._own_cursor(own)
+        cursor = choose(loaded.metadata)
         self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)
         done = time.perf_counter()
         if cursor.cursor is None:
@@ -218,21 +241,34 @@ class Recovery:
             loss_before=loaded.metadata.get("last_loss"),
         )
 
-    def _own_cursor(self, own: Announcement | None) -> CursorChoice:
-        """The freshest cursor of this node's own: its last announcement or an own snapshot's header."""
-        best = CursorChoice(None, "fresh", (0, 0))
-        best_steps: tuple[int, int] = (-1, -1)
-        if own is not None and own.cursor is not None and own.cursor["shard"] == self.run.loader.shard:
-            best, best_steps = CursorChoice(own.cursor, "announcement", (own.inner_step, 0)), own.freshness
+    def _own_cursor(self, own: Announcement | None, round_meta: dict[str, Any] | None = None) -> CursorChoice:
+        """This node's freshest committed cursor (every batch before it is in the global params): from
+        the restored snapshot's round metadata, its own last announcement, or its own older snapshots.
+        Committed cursors only grow, so the freshest is the largest (epoch, position)."""
+        options = [CursorChoice(None, "fresh", (0, 0))]
+        mine = (round_meta or {}).get(self.run.identity.node_id)
+        if mine:
+            options.append(CursorChoice(mine, "round_metadata", (0, 0)))
+        if own is not None and own.cursor is not None:
+            options.append(CursorChoice(own.cursor, "announcement", (own.inner_step, 0)))
         for candidate in self.local_candidates():
-            if (candidate.outer_step, candidate.inner_step) <= best_steps:
-                break
             meta = _header_metadata(candidate.path)  # type: ignore[arg-type]
-            cursor = meta.get("cursor") if meta else None
-            if cursor and cursor.get("shard") == self.run.loader.shard:
-                steps = (int(meta.get("inner_step", 0)), int(meta.get("tokens", 0)))  # type: ignore[union-attr]
-                return CursorChoice(cursor, "own_snapshot", steps)
-        return best
+            if meta and meta.get("committed_cursor"):
+                steps = (int(meta.get("inner_step", 0)), int(meta.get("tokens", 0)))
+                options.append(CursorChoice(meta["committed_cursor"], "own_snapshot", steps))
+        usable = [o for o in options if o.cursor is None or _is_own_shard(o.cursor, self.run.loader.shard)]
+        return max(
+            usable, key=lambda o: (-1, -1) if o.cursor is None else (o.cursor["epoch"], o.cursor["position"])
+        )
+
+
+def _is_own_shard(cursor: Any, shard: int) -> bool:
+    return (
+        isinstance(cursor, dict)
+        and cursor.get("shard") == shard
+        and isinstance(cursor.get("epoch"), int)
+        and isinstance(cursor.get("position"), int)
+    )
 
 
 def _header_metadata(path: Path) -> dict[str, Any] | None:

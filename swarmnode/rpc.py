@@ -243,7 +243,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_data_chunk(offset: int, data: bytes) -> bytes:
+def encode_data_chunk(offset: int, data: bytes | memoryview) -> bytes:
     """`FetchSnapshotChunk(offset=offset, data=data)` in protobuf wire format, built with a single copy
     of `data` (building the message and serialising it copies twice; see the module notes)."""
     return b"".join((b"\x10", _varint(offset), b"\x1a", _varint(len(data)), data))

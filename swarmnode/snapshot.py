@@ -81,7 +81,7 @@ class SnapshotInfo:
     layout: str  # "planes" | "plain"
     run_id: str
     node_id: str
-    cursor: dict[str, int] | None = None  # the writer's data cursor (DESIGN.md §4)
+    cursor: dict[str, int] | None = None  # the writer's committed data cursor (DESIGN.md §4)
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ def write_snapshot(
         layout,
         metadata["run_id"],
         metadata["node_id"],
-        metadata.get("cursor"),
+        metadata.get("committed_cursor", metadata.get("cursor")),
     )
     return info, raw_bytes
 
@@ -599,7 +599,7 @@ def info_from_file(path: Path) -> SnapshotInfo | None:
         str(meta.get("layout", "")),
         str(meta.get("run_id", "")),
         str(meta.get("node_id", "")),
-        meta.get("cursor"),
+        meta.get("committed_cursor", meta.get("cursor")),
     )
 
 

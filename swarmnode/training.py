@@ -24,7 +24,7 @@ from swarmnode.data import Corpus, ShardLoader
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.metrics import Metrics
 from swarmnode.model import ModelConfig, build_model
-from swarmnode.snapshot import DTYPES, LoadedSnapshot, TensorTemplate
+from swarmnode.snapshot import LoadedSnapshot, TensorTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ class Progress:
     tokens: int = 0
     last_loss: float | None = None
     heldout_loss: float | None = None
+    committed_cursor: dict[str, int] | None = None
+    """The cursor at this round's start: every batch before it is in the global params (DESIGN §4)."""
+    round_cursors: dict[str, dict[str, int]] | None = None
+    """The last round's members' cursors after their inner phase (round metadata, DESIGN §4)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class TrainingRun:
             int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
         )
         self.trainer = DilocoTrainer(self.model, diloco, device)
-        self.progress = Progress()
+        self.progress = Progress(committed_cursor=loader.state_dict())
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
         self.tokens_per_second = 0.0
         self._rate_window: tuple[float, int] = (time.monotonic(), 0)
@@ -141,13 +145,15 @@ class TrainingRun:
             started, counted = time.monotonic(), 0
         self._rate_window = (started, counted)
 
-    def apply_outer(self, averaged: AveragedDelta) -> None:
+    def apply_outer(self, averaged: AveragedDelta, round_cursors: dict[str, dict[str, int]]) -> None:
         """The outer step, then a new round; the held-out loss of the new global params is measured."""
         self.trainer.outer_step(averaged)
         p = self.progress
         p.outer_step += 1
         p.round_step = 0
         p.round_tokens = 0
+        p.committed_cursor = self.loader.state_dict()
+        p.round_cursors = round_cursors
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
         self.metrics.outer_step.set(p.outer_step)
@@ -174,6 +180,8 @@ class TrainingRun:
             "last_loss": p.last_loss,
             "heldout_loss": p.heldout_loss,
             "cursor": self.loader.state_dict(),
+            "committed_cursor": p.committed_cursor,
+            "round_cursors": p.round_cursors,
             "global_digest": self.trainer.global_digest(),
             "optimizer": self.trainer.state_metadata(),
             "created_at": time.time(),
@@ -216,13 +224,7 @@ class TrainingRun:
         p.heldout_loss = meta.get("heldout_loss")
         p.round_step = int(meta["round_step"]) if keep_round else 0
         p.round_tokens = int(meta["round_tokens"]) if keep_round else 0
+        p.round_cursors = meta.get("round_cursors")
+        p.committed_cursor = meta.get("committed_cursor") if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)
 
-
-def describe_template(template: TensorTemplate) -> str:
-    total = sum(
-        torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        for dtype, shape in template.values()
-    )
-    dtypes = sorted({DTYPES[d] for d, _ in template.values()})
-    return f"{len(template)} tensors, {total / 1e6:.1f} MB ({', '.join(dtypes)})"

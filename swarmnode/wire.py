@@ -14,9 +14,18 @@ same fp32 values bit for bit (the all-reduce relies on it).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import re
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from swarmnode.proto.v1 import averaging_pb2 as pb
+from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
 INT8_BLOCK = 1024
@@ -64,8 +73,9 @@ def decode(image: bytes | bytearray | memoryview, wire_dtype: str, n: int) -> to
     """The n fp32 values of an image made by `encode`. Raises ValueError if its size is not exactly
     `encoded_size(wire_dtype, n)`."""
     if len(image) != encoded_size(wire_dtype, n):
-        raise ValueError(f"a {wire_dtype} image of {n} values has {encoded_size(wire_dtype, n)} bytes, "
-                         f"not {len(image)}")
+        raise ValueError(
+            f"a {wire_dtype} image of {n} values has {encoded_size(wire_dtype, n)} bytes, not {len(image)}"
+        )
     out = torch.empty(n, dtype=torch.float32)
     if n == 0:
         return out
@@ -101,10 +111,126 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _writable(image: bytes | bytearray | memoryview) -> bytearray | memoryview:
     """A writable buffer over the image (torch refuses to wrap read-only memory without a warning)."""
     view = memoryview(image)
     return view if not view.readonly else bytearray(view)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The group as it travels: in `Propose` (protobuf) and in logs and snapshot metadata (plain dicts)
+
+CURSOR_KEYS = ("shard", "epoch", "position")
+MAX_GROUP_SIZE = 256
+_HEX = re.compile(r"[0-9a-f]{1,128}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of an averaging group."""
+
+    node_id: str
+    """Hex."""
+    address: str
+    """HOST:GRPC_PORT."""
+    weight: float = 0.0
+    """Informational; the weight that counts travels with each contribution."""
+    cursor: dict[str, int] | None = None
+    """The member's data cursor (`CURSOR_KEYS`) as of the round's start; None: unknown."""
+    global_digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not _HEX.fullmatch(self.node_id):
+            raise ValueError(f"member node id must be 1-128 lowercase hex digits, got {self.node_id!r}")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(self.address) > 256:
+            raise ValueError(f"member address must be HOST:PORT, got {self.address!r}")
+        if not math.isfinite(self.weight) or len(self.global_digest) > 128:
+            raise ValueError(f"member {self.node_id}: bad weight or digest")
+        cursor = self.cursor
+        if cursor is not None and (sorted(cursor) != sorted(CURSOR_KEYS)
+                                   or not all(type(v) is int and v >= 0 for v in cursor.values())):
+            raise ValueError(f"member {self.node_id}: cursor must map {CURSOR_KEYS} to ints >= 0: {cursor}")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A frozen averaging group, identical on every member (its leader sends it in `Propose`)."""
+
+    run_id: str
+    round: int
+    group_id: str
+    """Unique per (round, leader)."""
+    members: tuple[Member, ...]
+    """Ordered: member k reduces part k."""
+    wire_dtype: str
+    """"fp32" | "bf16" | "int8"."""
+    timeout_s: float
+    """The all-reduce's budget (--allreduce-timeout)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple(self.members))
+        check_dtype(self.wire_dtype)
+        if not 0 < len(self.members) <= MAX_GROUP_SIZE:
+            raise ValueError(f"a group has 1-{MAX_GROUP_SIZE} members, got {len(self.members)}")
+        if len({m.node_id for m in self.members}) != len(self.members):
+            raise ValueError(f"group {self.group_id!r} names a member twice")
+        if not 0 < len(self.group_id) <= 256 or len(self.run_id) > 256 or self.round < 0:
+            raise ValueError(f"bad group id, run id or round: {self.group_id!r} {self.run_id!r} {self.round}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"all-reduce timeout must be a positive number of seconds, got {self.timeout_s}")
+
+    def index_of(self, node_id: str) -> int:
+        """The member's index; ValueError if the node is not a member."""
+        for k, member in enumerate(self.members):
+            if member.node_id == node_id:
+                return k
+        raise ValueError(f"node {node_id} is not a member of group {self.group_id}")
+
+    def part_range(self, k: int, n: int) -> tuple[int, int]:
+        """Part k of a flat Δ of n values: [k·n/N, (k+1)·n/N)."""
+        size = len(self.members)
+        return k * n // size, (k + 1) * n // size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
+        """The inverse of `to_dict`; ValueError for anything malformed."""
+        try:
+            members = tuple(Member(**m) for m in d["members"])
+            return cls(**{**d, "members": members})
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"malformed group spec: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupSpec:
+        return cls.from_dict(json.loads(text))
+
+
+def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
+    msg = pb.GroupProposal(run_id=spec.run_id, round=spec.round, group_id=spec.group_id,
+                           wire_dtype=spec.wire_dtype, timeout_s=spec.timeout_s)
+    for m in spec.members:
+        member = msg.members.add(node_id=m.node_id, address=m.address, weight=m.weight,
+                                 global_digest=m.global_digest)
+        if m.cursor is not None:
+            member.cursor.CopyFrom(snapshot_pb.DataCursor(**m.cursor))
+    return msg
+
+
+def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
+    """The proposal's group; ValueError if it is malformed."""
+    members = tuple(
+        Member(m.node_id, m.address, m.weight,
+               {k: getattr(m.cursor, k) for k in CURSOR_KEYS} if m.HasField("cursor") else None,
+               m.global_digest)
+        for m in msg.members)
+    return GroupSpec(msg.run_id, msg.round, msg.group_id, members, msg.wire_dtype, msg.timeout_s)

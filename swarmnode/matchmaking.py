@@ -1,0 +1,246 @@
+"""Forming a round's averaging group through the DHT (DESIGN.md §3 "Outer step across peers").
+
+A node that finished its inner phase publishes an offer under `swarmnode/<run>/round/<r>`: its address,
+a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params as of the
+round's start, its token weight and its data cursor. It then reads the key until its deadline. The
+leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
+freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
+to every member over gRPC, so all members agree on the group and its order. A member accepts the first
+proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
+grace period goes on alone for that round, and says so.
+
+Digests: the leader groups only the offers whose global digest is the majority's. A node that sees its
+own digest in a minority of the offers knows its global params went astray: it leaves the round and
+repairs itself from an up-to-date member's snapshot before its next inner phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarmnode.averaging import GroupSpec, Member
+from swarmnode.config import parse_host_port
+from swarmnode.dht import DHTEntry
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.25
+PROPOSE_TIMEOUT_S = 3.0
+
+
+def round_key(run_id: str, outer_step: int) -> str:
+    return f"swarmnode/{run_id}/round/{outer_step}"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One node's bid to average in round `outer_step`."""
+
+    node_id: str
+    address: str
+    deadline: float  # unix seconds
+    run_digest: str
+    global_digest: str
+    weight: float
+    cursor: dict[str, int] | None
+    outer_step: int
+
+    def to_value(self) -> dict[str, Any]:
+        return {
+            "addr": self.address,
+            "dl": round(self.deadline, 3),
+            "run": self.run_digest,
+            "g": self.global_digest,
+            "w": self.weight,
+            "cur": self.cursor,
+            "o": self.outer_step,
+        }
+
+    @classmethod
+    def from_entry(cls, node_id: str, entry: DHTEntry) -> Offer | None:
+        value = entry.value
+        try:
+            offer = cls(
+                node_id,
+                str(value["addr"]),
+                float(value["dl"]),
+                str(value["run"]),
+                str(value["g"]),
+                float(value["w"]),
+                value.get("cur"),
+                int(value["o"]),
+            )
+            parse_host_port(offer.address)
+        except (KeyError, TypeError, ValueError):
+            return None
+        return offer if offer.weight >= 0 and len(offer.global_digest) == 64 else None
+
+    def member(self) -> Member:
+        return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What matchmaking decided: a group (possibly of one), or that this node must repair itself."""
+
+    group: GroupSpec | None  # None: alone this round
+    repair_from: tuple[Offer, ...] = ()  # non-empty: this node's global digest is in the minority
+    reason: str = ""
+
+
+class Matchmaker:
+    """Runs one node's matchmaking, round after round; also answers peers' proposals."""
+
+    def __init__(
+        self,
+        dht: Any,
+        node_id: str,
+        address: str,
+        run_id: str,
+        run_digest: str,
+        wire_dtype: str,
+        timeout_s: float,
+        allreduce_timeout_s: float,
+        propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
+    ) -> None:
+        self.dht, self.node_id, self.address = dht, node_id, address
+        self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
+        self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
+        self._open_round: int | None = None
+        self._proposal: asyncio.Future[GroupSpec] | None = None
+
+    # ----- the proposal side (called by the averaging servicer) -----
+
+    async def on_proposal(self, spec: GroupSpec) -> bool:
+        """Accept the first proposal that includes this node for the round it is matchmaking in."""
+        future = self._proposal
+        if (
+            spec.round != self._open_round
+            or future is None
+            or future.done()
+            or spec.run_id != self.run_id
+            or not any(m.node_id == self.node_id for m in spec.members)
+        ):
+            return False
+        future.set_result(spec)
+        return True
+
+    # ----- the node's own matchmaking -----
+
+    async def form_group(
+        self,
+        outer_step: int,
+        weight: float,
+        global_digest: str,
+        cursor: dict[str, int] | None,
+        expected_peers: int,
+    ) -> Outcome:
+        """Publish this node's offer for `outer_step` and settle the round's group."""
+        deadline = time.time() + self.timeout_s
+        own = Offer(
+            self.node_id, self.address, deadline, self.run_digest, global_digest, weight, cursor, outer_step
+        )
+        self._open_round = outer_step
+        self._proposal = asyncio.get_running_loop().create_future()
+        key = round_key(self.run_id, outer_step)
+        try:
+            # An offer matters only while its round forms: a short TTL keeps per-publisher DHT quotas free.
+            await self.dht.publish(key, own.to_value(), 2 * self.timeout_s + 10.0)
+            return await self._settle(key, own, expected_peers)
+        finally:
+            self._open_round, self._proposal = None, None
+            self.dht.withdraw(key)
+
+    async def _settle(self, key: str, own: Offer, expected_peers: int) -> Outcome:
+        assert self._proposal is not None
+        offers = {own.node_id: own}
+        while time.time() < own.deadline and len(offers) < expected_peers + 1:
+            if self._proposal.done():
+                return Outcome(self._proposal.result())
+            offers.update(await self._read_offers(key, own.outer_step))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S)
+        if self._proposal.done():
+            return Outcome(self._proposal.result())
+        offers.update(await self._read_offers(key, own.outer_step))
+        return await self._decide(own, list(offers.values()))
+
+    async def _read_offers(self, key: str, outer_step: int) -> dict[str, Offer]:
+        entries = await self.dht.get(key)
+        offers = {}
+        for node_id, entry in entries.items():
+            offer = Offer.from_entry(node_id, entry)
+            if offer is None or node_id == self.node_id:
+                continue
+            if offer.run_digest == self.run_digest and offer.outer_step == outer_step:
+                offers[node_id] = offer
+        return offers
+
+    async def _decide(self, own: Offer, offers: list[Offer]) -> Outcome:
+        majority = majority_digest(offers)
+        if majority is not None and own.global_digest != majority:
+            agree = tuple(o for o in offers if o.global_digest == majority)
+            return Outcome(None, repair_from=agree, reason="global digest in the minority")
+        # Without a majority, the leader's digest decides who averages together.
+        reference = majority or min(offers, key=_rank).global_digest
+        members = [o for o in offers if o.global_digest == reference]
+        if own.node_id not in {m.node_id for m in members}:
+            return Outcome(None, reason="global digest differs from the leader's, and no majority")
+        if len(members) == 1:
+            return Outcome(None, reason="no partner offered in time")
+        leader = min(members, key=_rank)
+        if leader.node_id == own.node_id:
+            return await self._lead(own, members)
+        return await self._follow(leader)
+
+    async def _lead(self, own: Offer, members: list[Offer]) -> Outcome:
+        assert self._proposal is not None
+        if self._proposal.done():  # another leader's proposal arrived first: follow it
+            return Outcome(self._proposal.result())
+        ordered = sorted(members, key=lambda o: o.node_id)
+        spec = GroupSpec(
+            self.run_id,
+            own.outer_step,
+            f"{own.outer_step}-{own.node_id[:16]}",
+            tuple(o.member() for o in ordered),
+            self.wire_dtype,
+            self.allreduce_timeout_s,
+        )
+        self._proposal.set_result(spec)  # from now on this node refuses other proposals
+        others = [o for o in ordered if o.node_id != own.node_id]
+        answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
+        refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
+        if refused:
+            logger.warning(
+                "round %d: %s refused or missed the proposal; their parts stay un-averaged",
+                own.outer_step,
+                ", ".join(refused),
+            )
+        return Outcome(spec)
+
+    async def _follow(self, leader: Offer) -> Outcome:
+        assert self._proposal is not None
+        grace = max(leader.deadline - time.time(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
+        try:
+            return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), grace))
+        except TimeoutError:
+            return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+
+
+def _rank(offer: Offer) -> tuple[float, str]:
+    """Leadership order: earliest deadline, then lowest node id."""
+    return offer.deadline, offer.node_id
+
+
+def majority_digest(offers: Sequence[Offer]) -> str | None:
+    """The global digest held by more than half of the offers, else None (no majority, no verdict)."""
+    counts = Counter(o.global_digest for o in offers)
+    digest, count = counts.most_common(1)[0]
+    return digest if count * 2 > len(offers) else None

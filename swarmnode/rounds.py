@@ -1,0 +1,124 @@
+"""One outer step across the swarm: matchmaking, the butterfly all-reduce, and the coverage policy.
+
+`SwarmRounds.average` turns this node's pseudo-gradient into what the outer step may apply:
+- a group formed: the token-weighted average over the parts the all-reduce covered; below
+  --min-coverage nothing is applied (every part stays local progress, carried by the next Δ);
+- no partner in time: this node goes on alone (its own Δ), and says so;
+- this node's global params disagree with the majority of the round's offers: nothing is applied and
+  the node must repair itself from an up-to-date member before its next inner phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmnode.averaging import AveragingServicer, GroupSpec, butterfly_allreduce
+from swarmnode.diloco import AveragedDelta
+from swarmnode.matchmaking import Matchmaker, Offer
+from swarmnode.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round decided, for the outer step, the snapshot metadata and the status."""
+
+    averaged: AveragedDelta | None  # None: apply nothing this round (repair pending)
+    group: tuple[str, ...] = ()  # node ids, in the group's order
+    cursors: dict[str, dict[str, int]] = field(default_factory=dict)  # members' cursors after the phase
+    coverage: float = 1.0
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    repair_from: tuple[Offer, ...] = ()
+    note: str = ""
+
+
+class SwarmRounds:
+    """The swarm's averaging for one node: matchmaking plus butterfly all-reduce."""
+
+    def __init__(
+        self,
+        matchmaker: Matchmaker,
+        servicer: AveragingServicer,
+        node_id: str,
+        min_coverage: float,
+        metrics: Metrics,
+    ) -> None:
+        self.matchmaker, self.servicer, self.node_id = matchmaker, servicer, node_id
+        self.min_coverage, self.metrics = min_coverage, metrics
+
+    async def average(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        outer_step: int,
+        global_digest: str,
+        cursor: dict[str, int],
+        expected_peers: int,
+    ) -> RoundResult:
+        started = time.perf_counter()
+        outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
+        if outcome.repair_from:
+            self.metrics.round_failures.labels("digest_mismatch").inc()
+            logger.warning(
+                "round %d: %s; skipping the outer step and repairing from a peer", outer_step, outcome.reason
+            )
+            return RoundResult(None, repair_from=outcome.repair_from, note=outcome.reason)
+        if outcome.group is None:
+            self.metrics.round_failures.labels("no_partners").inc()
+            logger.info("round %d: %s; going on alone", outer_step, outcome.reason)
+            solo = AveragedDelta(delta, ((0, delta.numel()),), 1)
+            return RoundResult(
+                solo,
+                (self.node_id,),
+                {self.node_id: cursor},
+                1.0,
+                time.perf_counter() - started,
+                note=outcome.reason,
+            )
+        return await self._allreduce(outcome.group, delta, weight, started)
+
+    async def _allreduce(
+        self, spec: GroupSpec, delta: torch.Tensor, weight: float, started: float
+    ) -> RoundResult:
+        self.servicer.expect(spec)
+        result = await butterfly_allreduce(self.servicer, spec, spec.index_of(self.node_id), delta, weight)
+        averaged = result.averaged
+        coverage = averaged.coverage
+        members = tuple(m.node_id for m in spec.members)
+        cursors = {m.node_id: m.cursor for m in spec.members if m.cursor is not None}
+        self._count(result.seconds, result.bytes_sent, len(members), coverage)
+        note = ""
+        if coverage < self.min_coverage:
+            self.metrics.round_failures.labels("low_coverage").inc()
+            note = f"coverage {coverage:.2f} below --min-coverage {self.min_coverage}: outer step skipped"
+            logger.warning("round %d: %s; local progress is kept for the next round", spec.round, note)
+            averaged = AveragedDelta(averaged.delta, (), averaged.group_size)
+        elif coverage < 1.0:
+            self.metrics.round_failures.labels("partial").inc()
+            note = f"coverage {coverage:.2f}: un-averaged parts keep their local progress"
+            logger.warning("round %d: %s", spec.round, note)
+        logger.info(
+            "round %d: averaged with %d members in %.2f s (coverage %.2f, %.1f MB sent)",
+            spec.round,
+            len(members),
+            result.seconds,
+            coverage,
+            result.bytes_sent / 1e6,
+        )
+        return RoundResult(
+            averaged, members, cursors, coverage, time.perf_counter() - started, result.bytes_sent, note=note
+        )
+
+    def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:
+        m = self.metrics
+        m.allreduce_seconds.observe(seconds)
+        m.allreduce_sent_bytes.inc(bytes_sent)
+        m.allreduce_round_sent_bytes.set(bytes_sent)
+        m.group_size.set(group_size)
+        m.coverage.set(coverage)
