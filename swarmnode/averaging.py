@@ -1,21 +1,21 @@
 """Butterfly all-reduce of DiLoCo pseudo-gradients over gRPC, with failure handling (DESIGN.md §3
-"Outer step across peers"; the butterfly as in Moshpit SGD / hivemind's AllReduceRunner).
+"Outer step across peers"; the butterfly of Moshpit SGD and hivemind's AllReduceRunner).
 
 The flat Δ (n values) of each member is cut into N = len(members) parts, part k = [k·n/N, (k+1)·n/N).
 Member k reduces part k: every other member streams its part k to it (`Exchange`, one call per pair),
 it averages the contributions that arrived complete, weighted by tokens (fp32 accumulation), and sends
-the average back on each of those calls in the group's wire dtype. Everyone, the reducer included,
+the average back on each call in the group's wire dtype (`wire.py`). Everyone, the reducer included,
 applies the same decoded image, so all members hold bit-identical averaged values.
 
 Failure semantics:
-- A reducer publishes its result only once it has every contribution it still expects and its own
-  parts went out, or at `COLLECT_SHARE` of the budget; a sender whose call broke (or whose node
-  refused our connection) is no longer expected. So a member that dies while sending leaves no
-  result of its own part behind, and the survivors agree on what its part is: not averaged.
-- A contribution that did not arrive complete is left out of its part; its sender still gets the
-  part's average if its call is open, so coverage stays the same across members.
-- A part whose result did not arrive complete by the budget's end is not covered (its values are
-  zeros and its range is missing from `covered`); a part whose weights sum to 0 is not covered either.
+- A reducer publishes its part only once every contribution it still expects is in and its own parts
+  went out, or at `COLLECT_SHARE` of the budget. A sender whose call broke, or whose node refused our
+  connection, is no longer expected. So a member that dies while sending leaves no result of its own
+  part behind: the survivors agree that its part is not averaged.
+- A contribution that did not arrive complete is left out of its part. Its sender still gets the
+  part's average if its call is open, so every member that hears from a reducer hears the same.
+- A part whose result did not arrive whole within the budget is not covered (zeros, and missing from
+  `covered`); nor is a part whose weights sum to 0. Nothing partial is ever applied.
 """
 
 from __future__ import annotations
@@ -36,10 +36,17 @@ from swarmnode import faults, rpc, wire
 from swarmnode.diloco import AveragedDelta, Range
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
-from swarmnode.wire import GroupSpec, Member, spec_from_pb, spec_to_pb
+from swarmnode.wire import EXCHANGE_METHOD, GroupSpec, Member
 
-__all__ = ["AllReduceResult", "AveragingServicer", "GroupSpec", "Member", "butterfly_allreduce",
-           "propose_group"]
+__all__ = [
+    "EXCHANGE_METHOD",
+    "AllReduceResult",
+    "AveragingServicer",
+    "GroupSpec",
+    "Member",
+    "butterfly_allreduce",
+    "propose_group",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +55,14 @@ COLLECT_SHARE = 0.7
 HEADER_TIMEOUT_S = 10.0
 """How long a new `Exchange` call may take to send its header."""
 MAX_KNOWN_GROUPS = 4
-"""Groups proposed to this node and not yet begun that it holds contributions for, at most."""
-MAX_WEIGHT = 1e15
-EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
-_CHUNK = rpc.CHUNK_BYTES
+"""Groups known here at once (proposed and not over); further proposals are declined."""
 _EOF: Any = grpc.aio.EOF
 
 
 @dataclass(frozen=True)
 class AllReduceResult:
     averaged: AveragedDelta
-    """The average over `covered` ranges (zeros elsewhere), identical on every member that covers them."""
+    """The average over `covered` (zeros elsewhere), the same on every member that covers a part."""
     bytes_sent: int
     """Payload bytes this node sent: its parts and its results."""
     seconds: float
@@ -68,7 +72,7 @@ class AllReduceResult:
 
 @dataclass(frozen=True)
 class _Averaged:
-    """A reducer's result: the averaged part's wire image and its decoded values (None: not averaged)."""
+    """A reducer's result: its wire image and the image's decoded values (None: not averaged)."""
 
     contributors: int
     image: memoryview | None = None
@@ -76,7 +80,7 @@ class _Averaged:
 
 
 _NOT_AVERAGED = _Averaged(0)
-_PartOutcome = tuple[torch.Tensor, int]
+_Part = tuple[torch.Tensor, int]
 """A part's averaged values and how many contributions they average."""
 
 
@@ -92,16 +96,12 @@ def _invalid(message: str) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid", message)
 
 
-def _serialize(message: bytes | Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 async def _settle(*tasks: asyncio.Task[Any]) -> None:
-    """Cancels the tasks and waits for them to end; logs what failed other than by cancellation."""
+    """Cancels the tasks and waits for them to end; logs failures other than refusals (reported)."""
     for task in tasks:
         task.cancel()
     for task, outcome in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, Exception) and not isinstance(outcome, _Refused):
             logger.error("averaging task %s failed", task.get_name(), exc_info=outcome)
 
 
@@ -113,25 +113,24 @@ async def _wait_until(event: asyncio.Event, when: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Reducer side: the contributions to this node's part of one group, and its result
+# Reducer side
 
 
 class _Round:
-    """One group as this node's reducer sees it. Known from a proposal (contributions are then held
-    until the local all-reduce begins, or until `expires_at`) or from the local all-reduce itself."""
+    """One group as this node's reducer sees it: the contributions to its part, and its result. Known
+    from a proposal (calls are then held until the local all-reduce begins, or until `expires_at`) or
+    from the local all-reduce itself."""
 
     def __init__(self, spec: GroupSpec, my_index: int, expires_at: float) -> None:
         self.spec, self.my_index, self.expires_at = spec, my_index, expires_at
-        self.started = asyncio.Event()
-        self.total = 0
-        self.own: torch.Tensor = torch.empty(0)
-        self.own_weight = 0.0
+        self.started, self.all_in, self.idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.idle.set()
+        self.total, self.own_weight, self.own = 0, 0.0, torch.empty(0)
         self.waiting = set(range(len(spec.members))) - {my_index}
+        """Senders that may still deliver a whole contribution."""
         self.seen: set[int] = set()
         self.open: set[int] = set()
         self.contributions: dict[int, tuple[float, bytearray]] = {}
-        self.all_in, self.idle = asyncio.Event(), asyncio.Event()
-        self.idle.set()
         self.closed = False
         self.result: asyncio.Future[_Averaged] = asyncio.get_running_loop().create_future()
         self.result_bytes = 0
@@ -148,11 +147,11 @@ class _Round:
         self._check_all_in()
 
     def attach(self, h: pb.ContributionHeader) -> int:
-        problem = _header_problem(h, self.spec, self.my_index)
+        problem = wire.header_problem(h, self.spec, self.my_index)
         if problem:
             raise _invalid(f"group {self.spec.group_id}: {problem}")
         if h.sender in self.seen:
-            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} already called")
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} called twice")
         self.seen.add(h.sender)
         self.open.add(h.sender)
         self.idle.clear()
@@ -164,25 +163,8 @@ class _Round:
         if not self.open:
             self.idle.set()
 
-    async def wait_started(self, h: pb.ContributionHeader) -> None:
-        """Holds a call until the local all-reduce begins, then checks the declared sizes."""
-        try:
-            async with asyncio.timeout_at(self.expires_at):
-                await self.started.wait()
-        except TimeoutError:
-            raise _Refused(grpc.StatusCode.ABORTED, "expired", "the all-reduce never began here") from None
-        if h.total_elements != self.total or h.part_elements != self.part_len:
-            raise _invalid(f"sizes {h.total_elements}/{h.part_elements} are not {self.total}/{self.part_len}")
-
-    def complete(self, sender: int, weight: float, image: bytearray) -> None:
-        if self.closed:
-            logger.info("group %s: member %d's part came after the reduction", self.spec.group_id, sender)
-            return
-        self.contributions[sender] = (weight, image)
-        self.give_up(sender)
-
     def give_up(self, sender: int) -> None:
-        """Stops waiting for a sender whose call ended or whose node is unreachable."""
+        """Stops waiting for a sender unless its call is open (it may still deliver)."""
         if sender not in self.open or sender in self.contributions:
             self.waiting.discard(sender)
             self._check_all_in()
@@ -192,7 +174,7 @@ class _Round:
             self.all_in.set()
 
     def close(self) -> list[tuple[float, bytearray]]:
-        """The complete contributions, in sender order; later ones are left out."""
+        """The whole contributions, in sender order; any that completes later is left out."""
         self.closed = True
         return [self.contributions[s] for s in sorted(self.contributions)]
 
@@ -200,23 +182,20 @@ class _Round:
         if not self.result.done():
             self.result.set_result(averaged)
 
-    async def receive(self, context: Any, sender: int, weight: float) -> None:
-        """Reads a sender's part image; `complete` once it is whole, `give_up` if the call ends first."""
-        size = wire.encoded_size(self.spec.wire_dtype, self.part_len)
-        image = bytearray(size)
-        got = 0
-        while got < size:
-            msg = await context.read()
-            if msg is _EOF:
-                self.open.discard(sender)
-                self.give_up(sender)
-                return
-            got += _take_chunk(msg, image, got)
-        self.complete(sender, weight, image)
+    async def wait_started(self, h: pb.ContributionHeader) -> None:
+        """Holds a call until the local all-reduce begins, then checks the sizes it declared."""
+        try:
+            async with asyncio.timeout_at(self.expires_at):
+                await self.started.wait()
+        except TimeoutError:
+            raise _Refused(grpc.StatusCode.ABORTED, "expired", "the all-reduce never began here") from None
+        if h.total_elements != self.total or h.part_elements != self.part_len:
+            raise _invalid(f"sizes {h.total_elements}/{h.part_elements}, not {self.total}/{self.part_len}")
 
     async def collect(self, context: Any, sender: int, weight: float) -> _Averaged:
-        """Receives a sender's contribution, then waits for this part's result."""
-        receiving = asyncio.create_task(self.receive(context, sender, weight), name=f"receive-{sender}")
+        """Receives a sender's contribution, then waits for this part's result (a late sender gets
+        the result too: its reception is cut short)."""
+        receiving = asyncio.create_task(self._receive(context, sender, weight), name=f"receive-{sender}")
         try:
             await asyncio.wait((receiving, self.result), return_when=asyncio.FIRST_COMPLETED)
             if receiving.done():
@@ -225,34 +204,31 @@ class _Round:
         finally:
             await _settle(receiving)
 
-
-def _header_problem(h: pb.ContributionHeader, spec: GroupSpec, my_index: int) -> str | None:
-    if h.run_id != spec.run_id or h.round != spec.round:
-        return f"run {h.run_id!r} round {h.round} is not the group's"
-    if h.sender >= len(spec.members) or h.sender == my_index:
-        return f"sender index {h.sender} is out of range"
-    if h.node_id != spec.members[h.sender].node_id:
-        return f"node {h.node_id!r} is not member {h.sender}"
-    if h.part != my_index or h.wire_dtype != spec.wire_dtype:
-        return f"part {h.part} in {h.wire_dtype!r} is not part {my_index} in {spec.wire_dtype!r}"
-    if not 0 <= h.weight <= MAX_WEIGHT:  # NaN fails too
-        return f"weight {h.weight} is out of range"
-    return None
-
-
-def _take_chunk(msg: Any, image: bytearray, got: int) -> int:
-    """Copies a chunk that continues `image` at byte `got` into it; refuses anything else."""
-    data = msg.data
-    if msg.HasField("header") or msg.offset != got or not 0 < len(data) <= min(_CHUNK, len(image) - got):
-        raise _invalid(f"chunk of {len(data)} bytes at offset {msg.offset} does not continue byte {got}")
-    image[got : got + len(data)] = data
-    return len(data)
+    async def _receive(self, context: Any, sender: int, weight: float) -> None:
+        image = bytearray(wire.encoded_size(self.spec.wire_dtype, self.part_len))
+        got = 0
+        while got < len(image):
+            msg = await context.read()
+            if msg is _EOF:  # the call broke (or the sender gave up) before the whole part
+                self.open.discard(sender)
+                self.give_up(sender)
+                return
+            try:
+                got += wire.take_chunk(msg, image, got)
+            except ValueError as exc:
+                raise _invalid(str(exc)) from None
+        if self.closed:
+            logger.info("group %s: member %d's part came after the reduction", self.spec.group_id, sender)
+            return
+        self.contributions[sender] = (weight, image)
+        self.give_up(sender)
 
 
-def _average(own: torch.Tensor, own_weight: float, others: list[tuple[float, bytearray]],
-             wire_dtype: str) -> _Averaged:
-    """Σ wᵢΔᵢ / Σ wᵢ over the finite contributions of positive weight, in fp32; then its wire image and
-    the image's decoded values, which is what every member applies."""
+def _average(
+    own: torch.Tensor, own_weight: float, others: list[tuple[float, bytearray]], wire_dtype: str
+) -> _Averaged:
+    """Σ wᵢΔᵢ / Σ wᵢ in fp32 over the finite contributions of positive weight; then its wire image and
+    the image's decoded values, which is what every member applies. Runs on a worker thread."""
     n = own.numel()
     acc, total, count = torch.zeros(n, dtype=torch.float32), 0.0, 0
     decoded = ((w, wire.decode(image, wire_dtype, n)) for w, image in others)
@@ -266,40 +242,44 @@ def _average(own: torch.Tensor, own_weight: float, others: list[tuple[float, byt
     return _Averaged(count, image, wire.decode(image, wire_dtype, n))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The service
-
-
 class AveragingServicer:
     """`AveragingService` of one node: answers proposals and reduces this node's parts. Register it
     with `rpc.start_server(..., extra_servicers=[servicer.register])`."""
 
-    def __init__(self, node_id: str, on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
-                 on_rejected: Callable[[str], None] | None = None) -> None:
-        """`on_proposal(spec)` decides whether this node joins a proposed group (None: every valid
-        proposal that names it); `on_rejected(reason)` counts refused requests."""
+    def __init__(
+        self,
+        node_id: str,
+        on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
+        on_rejected: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
+        valid group that names it); `on_rejected(reason)` counts requests refused as bad or late."""
         self.node_id = node_id
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
         self._rounds: dict[str, _Round] = {}
-        self._over: dict[str, None] = {}
+        self._over: dict[str, None] = {}  # recently ended groups, oldest first
 
     def register(self, server: grpc.aio.Server) -> None:
         handlers = {
             "Propose": grpc.unary_unary_rpc_method_handler(
-                self.Propose, request_deserializer=pb.GroupProposal.FromString,
-                response_serializer=pb.ProposalReply.SerializeToString),
+                self.Propose,
+                request_deserializer=pb.GroupProposal.FromString,
+                response_serializer=pb.ProposalReply.SerializeToString,
+            ),
             "Exchange": grpc.stream_stream_rpc_method_handler(
-                self.Exchange, request_deserializer=pb.Contribution.FromString,
-                response_serializer=_serialize),
+                self.Exchange,
+                request_deserializer=pb.Contribution.FromString,
+                response_serializer=wire.serialize,
+            ),
         }
         name = pb.DESCRIPTOR.services_by_name["AveragingService"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
         server.add_registered_method_handlers(name, handlers)
 
     def expect(self, spec: GroupSpec) -> bool:
-        """Makes the group known here, so contributions that arrive before the local all-reduce
-        begins are held (until `spec.timeout_s` passes). False if too many groups are pending or the
-        group id is taken by another spec; ValueError if this node is not a member."""
+        """Makes the group known here, so that calls for it which arrive before the local all-reduce
+        begins are held (for up to `spec.timeout_s`). False if too many groups are known or the group
+        id is taken; ValueError if this node is not a member."""
         my_index = spec.index_of(self.node_id)
         self._forget_expired()
         known = self._rounds.get(spec.group_id)
@@ -307,24 +287,24 @@ class AveragingServicer:
             return known.spec == spec
         if len(self._rounds) >= MAX_KNOWN_GROUPS or spec.group_id in self._over:
             return False
-        expires_at = asyncio.get_running_loop().time() + spec.timeout_s
-        self._rounds[spec.group_id] = _Round(spec, my_index, expires_at)
+        self._rounds[spec.group_id] = _Round(
+            spec, my_index, asyncio.get_running_loop().time() + spec.timeout_s
+        )
         return True
 
     def _begin(self, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float) -> _Round:
         self._forget_expired()
-        rnd = self._rounds.setdefault(spec.group_id, _Round(spec, my_index, 0.0))
-        if rnd.spec != spec or rnd.started.is_set():
-            raise ValueError(f"group {spec.group_id} is already running here, or known with another spec")
+        rnd = self._rounds.get(spec.group_id) or _Round(spec, my_index, 0.0)
+        if rnd.spec != spec or rnd.started.is_set() or spec.group_id in self._over:
+            raise ValueError(f"group {spec.group_id} already ran here, or is known with another spec")
+        self._rounds[spec.group_id] = rnd
         rnd.start(delta, weight)
         return rnd
 
     def _end(self, rnd: _Round) -> None:
         rnd.publish(_NOT_AVERAGED)
-        group_id = rnd.spec.group_id
-        if self._rounds.get(group_id) is rnd:
-            del self._rounds[group_id]
-        self._over[group_id] = None
+        self._rounds.pop(rnd.spec.group_id, None)
+        self._over[rnd.spec.group_id] = None
         while len(self._over) > 64:
             del self._over[next(iter(self._over))]
 
@@ -336,7 +316,7 @@ class AveragingServicer:
 
     async def Propose(self, request: pb.GroupProposal, context: Any) -> pb.ProposalReply:
         try:
-            spec = spec_from_pb(request)
+            spec = wire.spec_from_pb(request)
             spec.index_of(self.node_id)
         except ValueError as exc:
             self._reject("invalid")
@@ -344,7 +324,7 @@ class AveragingServicer:
         if not await self._ask(spec):
             return pb.ProposalReply(accepted=False, reason="declined")
         if not self.expect(spec):
-            return pb.ProposalReply(accepted=False, reason="too many groups pending, or group id reused")
+            return pb.ProposalReply(accepted=False, reason="too many groups known, or group id reused")
         return pb.ProposalReply(accepted=True)
 
     async def _ask(self, spec: GroupSpec) -> bool:
@@ -362,13 +342,14 @@ class AveragingServicer:
             header = await _read_header(context)
             rnd = self._round_for(header.group_id)
             sender = rnd.attach(header)
-            await context.send_initial_metadata(())  # admitted: the sender may stream its part
+            await context.send_initial_metadata(wire.ADMITTED)
             await rnd.wait_started(header)
             averaged = await rnd.collect(context, sender, header.weight)
             await _send_result(context, rnd, averaged)
         except _Refused as exc:
-            self._reject(exc.reason)
-            logger.info("refused an averaging call: %s", exc)
+            if exc.reason != "unknown_group":  # not yet known: the sender asks again
+                self._reject(exc.reason)
+                logger.info("refused an averaging call: %s", exc)
             await context.abort(exc.code, str(exc))
         finally:
             if rnd is not None and sender >= 0:
@@ -376,12 +357,11 @@ class AveragingServicer:
 
     def _round_for(self, group_id: str) -> _Round:
         self._forget_expired()
-        rnd = self._rounds.get(group_id)
-        if rnd is not None:
-            return rnd
+        if group_id in self._rounds:
+            return self._rounds[group_id]
         if group_id in self._over:
             raise _Refused(grpc.StatusCode.ABORTED, "over", f"the all-reduce of group {group_id} is over")
-        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "unknown_group", f"group {group_id} is unknown here")
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "unknown_group", f"group {group_id} is unknown")
 
     def _reject(self, reason: str) -> None:
         if self._on_rejected is not None:
@@ -400,81 +380,94 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
 
 
 async def _send_result(context: Any, rnd: _Round, averaged: _Averaged) -> None:
-    header = pb.AveragedHeader(contributors=averaged.contributors, part_elements=rnd.part_len,
-                               wire_dtype=rnd.spec.wire_dtype)
+    header = pb.AveragedHeader(
+        contributors=averaged.contributors, part_elements=rnd.part_len, wire_dtype=rnd.spec.wire_dtype
+    )
     await context.write(pb.AveragedPart(header=header))
-    image = averaged.image if averaged.image is not None else memoryview(b"")
-    for offset in range(0, len(image), _CHUNK):
-        chunk = image[offset : offset + _CHUNK]
-        await context.write(rpc.encode_data_chunk(offset, chunk))
-        rnd.result_bytes += len(chunk)
+    for message, size in wire.chunk_messages(
+        averaged.image if averaged.image is not None else memoryview(b"")
+    ):
+        await context.write(message)
+        rnd.result_bytes += size
 
 
 # ---------------------------------------------------------------------------------------------------
 # Member side
 
 
-async def butterfly_allreduce(servicer: AveragingServicer, spec: GroupSpec, my_index: int,
-                              delta: torch.Tensor, weight: float) -> AllReduceResult:
-    """Averages a flat fp32 CPU Δ with the group's other members (weighted by `weight`, e.g. tokens)
+async def butterfly_allreduce(
+    servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+) -> AllReduceResult:
+    """Averages a flat fp32 CPU Δ with the group's other members, weighted by `weight` (e.g. tokens),
     within `spec.timeout_s`; see the module notes for what is covered when peers fail. `delta` must
-    stay unchanged until this returns. Never raises for a peer's failure; ValueError for bad arguments."""
+    stay unchanged until this returns; a group of one returns it as it is. Never raises for a peer's
+    failure; ValueError for bad arguments."""
     _check_call(servicer, spec, my_index, delta, weight)
     if len(spec.members) == 1:
         return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (1,))
     return await _Butterfly(servicer, spec, my_index, delta, weight).run()
 
 
-def _check_call(servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor,
-                weight: float) -> None:
+def _check_call(
+    servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+) -> None:
     if not 0 <= my_index < len(spec.members) or spec.members[my_index].node_id != servicer.node_id:
         raise ValueError(f"node {servicer.node_id} is not member {my_index} of group {spec.group_id}")
     if delta.dtype != torch.float32 or delta.dim() != 1 or not delta.is_contiguous() or delta.is_cuda:
         raise ValueError("the pseudo-gradient must be a flat contiguous fp32 CPU tensor")
-    if not 0 <= weight <= MAX_WEIGHT:
-        raise ValueError(f"weight must be in [0, {MAX_WEIGHT:g}], got {weight}")
+    if not 0 <= weight <= wire.MAX_WEIGHT:
+        raise ValueError(f"weight must be in [0, {wire.MAX_WEIGHT:g}], got {weight}")
 
 
 class _Butterfly:
     """One member's side of one all-reduce: sends its parts, reduces its own, gathers the results."""
 
-    def __init__(self, servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor,
-                 weight: float) -> None:
+    def __init__(
+        self, servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+    ) -> None:
         self.servicer, self.spec, self.me, self.delta, self.weight = servicer, spec, my_index, delta, weight
         self.peers = [k for k in range(len(spec.members)) if k != my_index]
         now = asyncio.get_running_loop().time()
         self.deadline, self.collect_deadline = now + spec.timeout_s, now + COLLECT_SHARE * spec.timeout_s
         self.images: dict[int, memoryview] = {}
-        self.parts: dict[int, _PartOutcome] = {}
-        """Part index -> (averaged values, contributors), for the parts that arrived complete."""
-        self.bytes_sent = 0
+        self.parts: dict[int, _Part] = {}
+        """The parts whose average arrived whole."""
+        self.bytes_sent, self.parts_out = 0, 0
         self.sends_over: set[int] = set()
         self.sends_done = asyncio.Event()
 
     async def run(self) -> AllReduceResult:
         started = time.monotonic()
-        self.images = await asyncio.to_thread(self._encode_parts)
         rnd = self.servicer._begin(self.spec, self.me, self.delta, self.weight)
-        tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
-        tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
+        tasks: list[asyncio.Task[None]] = []
         try:
+            self.images = await asyncio.to_thread(self._encode_parts)
+            faults.hit("allreduce_send")  # before the first part
+            tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
+            tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
             await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
         finally:
             await _settle(*tasks)
             self.servicer._end(rnd)
         averaged = await asyncio.to_thread(self._assemble)
-        contributors = tuple(self.parts[k][1] if k in self.parts else 0 for k in range(len(self.spec.members)))
-        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, time.monotonic() - started,
-                                 contributors)
-        logger.info("group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
-                    self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members),
-                    result.seconds, result.bytes_sent)
+        contributors = tuple(
+            self.parts[k][1] if k in self.parts else 0 for k in range(len(self.spec.members))
+        )
+        seconds = time.monotonic() - started
+        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, contributors)
+        logger.info(
+            "group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
+            *(self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members)),
+            *(seconds, result.bytes_sent),
+        )
         return result
 
     def _encode_parts(self) -> dict[int, memoryview]:
         n = self.delta.numel()
-        return {k: wire.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
-                for k in self.peers}
+        return {
+            k: wire.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
+            for k in self.peers
+        }
 
     def _assemble(self) -> AveragedDelta:
         n = self.delta.numel()
@@ -501,8 +494,10 @@ class _Butterfly:
         if averaged.values is not None:
             self.parts[self.me] = (averaged.values, averaged.contributors)
         if averaged.contributors < len(self.spec.members):
-            logger.warning("group %s: part %d averaged %d of %d contributions", self.spec.group_id, self.me,
-                           averaged.contributors, len(self.spec.members))
+            logger.warning(
+                "group %s: part %d averages %d of %d members",
+                *(self.spec.group_id, self.me, averaged.contributors, len(self.spec.members)),
+            )
         await rnd.idle.wait()
 
     async def _exchange(self, k: int, rnd: _Round) -> None:
@@ -515,24 +510,31 @@ class _Butterfly:
         if isinstance(outcome, grpc.StatusCode):
             if outcome == grpc.StatusCode.UNAVAILABLE:
                 rnd.give_up(k)  # its node is unreachable: no contribution will come from it either
-            logger.warning("group %s: part %d not averaged: member %d answered %s", self.spec.group_id, k,
-                           k, outcome.name)
+            logger.warning(
+                "group %s: part %d not averaged: member %d answered %s",
+                self.spec.group_id,
+                k,
+                k,
+                outcome.name,
+            )
         elif outcome is not None:
             self.parts[k] = outcome
 
-    async def _exchange_on(self, channel: grpc.aio.Channel, k: int) -> _PartOutcome | grpc.StatusCode | None:
-        """One call (again while member k does not know the group yet, up to the collect deadline)."""
+    async def _exchange_on(self, channel: grpc.aio.Channel, k: int) -> _Part | grpc.StatusCode | None:
+        """One call; another while member k does not know the group yet, until the collect deadline."""
         for attempt in itertools.count():
-            call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=_serialize,
-                                         response_deserializer=pb.AveragedPart.FromString)()
+            call = channel.stream_stream(
+                EXCHANGE_METHOD,
+                request_serializer=wire.serialize,
+                response_deserializer=pb.AveragedPart.FromString,
+            )()
             writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
             try:
                 return await self._read_result(call, k)
             except grpc.aio.AioRpcError as exc:
-                code = exc.code()
                 late = asyncio.get_running_loop().time() > self.collect_deadline
-                if code != grpc.StatusCode.FAILED_PRECONDITION or late:
-                    return code
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or late:
+                    return exc.code()
             finally:
                 call.cancel()
                 await _settle(writer)
@@ -540,38 +542,33 @@ class _Butterfly:
         raise AssertionError("unreachable")
 
     async def _write(self, call: Any, k: int) -> None:
-        image = self.images[k]
+        header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
         try:
-            await call.write(pb.Contribution(header=self._header(k)))
-            await call.initial_metadata()  # the reducer admitted the header (or the call ended)
-            for offset in range(0, len(image), _CHUNK):
-                chunk = image[offset : offset + _CHUNK]
-                await call.write(rpc.encode_data_chunk(offset, chunk))
-                self.bytes_sent += len(chunk)
+            await call.write(pb.Contribution(header=header))
+            # Stream only once the reducer admitted the header: writing into a call that it refused
+            # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
+            if tuple(await call.initial_metadata()) != wire.ADMITTED:
+                return
+            for message, size in wire.chunk_messages(self.images[k]):
+                await call.write(message)
+                self.bytes_sent += size
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return  # the call ended; its reader reports why
         self._send_over(k)
-        if len(self.sends_over) < len(self.peers):
-            faults.hit("allreduce_send")
-
-    def _header(self, k: int) -> pb.ContributionHeader:
-        n = self.delta.numel()
-        lo, hi = self.spec.part_range(k, n)
-        return pb.ContributionHeader(
-            group_id=self.spec.group_id, run_id=self.spec.run_id, round=self.spec.round, sender=self.me,
-            node_id=self.spec.members[self.me].node_id, part=k, weight=self.weight,
-            wire_dtype=self.spec.wire_dtype, total_elements=n, part_elements=hi - lo)
+        self.parts_out += 1
+        if self.parts_out < len(self.peers):
+            faults.hit("allreduce_send")  # before the next part, as if they went one at a time
 
     def _send_over(self, k: int) -> None:
         self.sends_over.add(k)
         if len(self.sends_over) == len(self.peers):
             self.sends_done.set()
 
-    async def _read_result(self, call: Any, k: int) -> _PartOutcome | None:
-        """Part k's average from its reducer; None if it is not averaged or the reply is malformed."""
-        first = await call.read()
+    async def _read_result(self, call: Any, k: int) -> _Part | None:
+        """Part k's average from its reducer; None if it is not averaged, cut short or malformed."""
         lo, hi = self.spec.part_range(k, self.delta.numel())
+        first = await call.read()
         if first is _EOF or not first.HasField("header"):
             return None
         h = first.header
@@ -584,8 +581,8 @@ class _Butterfly:
             if msg is _EOF:
                 return None
             try:
-                got += _take_chunk(msg, image, got)
-            except _Refused as exc:
+                got += wire.take_chunk(msg, image, got)
+            except ValueError as exc:
                 logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
                 return None
         values = await asyncio.to_thread(wire.decode, image, self.spec.wire_dtype, hi - lo)
@@ -596,7 +593,9 @@ async def propose_group(address: str, spec: GroupSpec, timeout_s: float) -> bool
     """Asks the member at HOST:PORT to join the group; False on refusal or any failure."""
     try:
         async with rpc.open_channel(address) as channel:
-            reply = await pb_grpc.AveragingServiceStub(channel).Propose(spec_to_pb(spec), timeout=timeout_s)
+            reply = await pb_grpc.AveragingServiceStub(channel).Propose(
+                wire.spec_to_pb(spec), timeout=timeout_s
+            )
     except (grpc.aio.AioRpcError, ValueError) as exc:
         logger.info("proposal of group %s to %s failed: %s", spec.group_id, address, exc)
         return False

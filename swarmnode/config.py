@@ -65,6 +65,7 @@ class NodeConfig:
     identity: Path | None = None
     log_format: str = "text"
     progress_interval_s: float = 10.0
+    wait_peers: int = 0
     max_serving: int = 2
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 30.0
@@ -314,6 +315,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("log_format", _choice(LOG_FORMATS), "log and progress output: text or json", choices=LOG_FORMATS),
     Flag("progress_interval_s", _positive_float, "seconds between progress lines", metavar="SECONDS"),
+    Flag(
+        "wait_peers",
+        _non_negative_int,
+        "before training, wait until the DHT knows this many peers (a swarm that starts together)",
+    ),
     Flag(
         "max_serving",
         _positive_int,

@@ -165,6 +165,10 @@ class DilocoTrainer:
         self._global_digest = None
         self._copy_to_local(self.global_flat, averaged.covered)
 
+    def global_changed(self) -> None:
+        """θ_g was modified in place from outside (tests): drop the cached digest."""
+        self._global_digest = None
+
     def global_digest(self) -> str:
         """sha256 of θ_g's bytes: nodes that averaged the same rounds show the same digest."""
         if self._global_digest is None:  # θ_g changes only at outer steps and restores

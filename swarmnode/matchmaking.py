@@ -9,9 +9,9 @@ to every member over gRPC, so all members agree on the group and its order. A me
 proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
 grace period goes on alone for that round, and says so.
 
-Digests: the leader groups only the offers whose global digest is the majority's. A node that sees its
-own digest in a minority of the offers knows its global params went astray: it leaves the round and
-repairs itself from an up-to-date member's snapshot before its next inner phase.
+Digests: the leader groups only the offers whose global digest is the one most offers hold (on a tie,
+the earliest-ranked side's). A node on the other side knows its global params went astray: it leaves
+the round and repairs itself from an agreeing member's snapshot before its next inner phase.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Matchmaker:
         weight: float,
         global_digest: str,
         cursor: dict[str, int] | None,
-        expected_peers: int,
+        expected_peers: frozenset[str],
     ) -> Outcome:
         """Publish this node's offer for `outer_step` and settle the round's group."""
         deadline = time.time() + self.timeout_s
@@ -158,10 +158,12 @@ class Matchmaker:
             self._open_round, self._proposal = None, None
             self.dht.withdraw(key)
 
-    async def _settle(self, key: str, own: Offer, expected_peers: int) -> Outcome:
+    async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
         offers = {own.node_id: own}
-        while time.time() < own.deadline and len(offers) < expected_peers + 1:
+        # Stop early once every peer this node expects has offered (0: expect nobody in particular).
+        # Stop early once every peer this node expects has offered (none expected: wait the deadline).
+        while time.time() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
             offers.update(await self._read_offers(key, own.outer_step))
@@ -184,15 +186,10 @@ class Matchmaker:
         return offers
 
     async def _decide(self, own: Offer, offers: list[Offer]) -> Outcome:
-        majority = majority_digest(offers)
-        if majority is not None and own.global_digest != majority:
-            agree = tuple(o for o in offers if o.global_digest == majority)
-            return Outcome(None, repair_from=agree, reason="global digest in the minority")
-        # Without a majority, the leader's digest decides who averages together.
-        reference = majority or min(offers, key=_rank).global_digest
+        reference = swarm_digest(offers)
         members = [o for o in offers if o.global_digest == reference]
-        if own.node_id not in {m.node_id for m in members}:
-            return Outcome(None, reason="global digest differs from the leader's, and no majority")
+        if own.global_digest != reference:
+            return Outcome(None, repair_from=tuple(members), reason="global digest differs from the swarm's")
         if len(members) == 1:
             return Outcome(None, reason="no partner offered in time")
         leader = min(members, key=_rank)
@@ -239,8 +236,10 @@ def _rank(offer: Offer) -> tuple[float, str]:
     return offer.deadline, offer.node_id
 
 
-def majority_digest(offers: Sequence[Offer]) -> str | None:
-    """The global digest held by more than half of the offers, else None (no majority, no verdict)."""
+def swarm_digest(offers: Sequence[Offer]) -> str:
+    """The global digest the round treats as the swarm's: the one most offers hold; on a tie, the one
+    of the earliest-ranked offer among the tied, so that every node picks the same and a split heals."""
     counts = Counter(o.global_digest for o in offers)
-    digest, count = counts.most_common(1)[0]
-    return digest if count * 2 > len(offers) else None
+    most = max(counts.values())
+    tied = [o for o in offers if counts[o.global_digest] == most]
+    return min(tied, key=_rank).global_digest

@@ -129,6 +129,7 @@ class Node:
         async with contextlib.AsyncExitStack() as services:
             await self._start_services(services)
             self._write_node_file()
+            await self._wait_for_peers()
             await self._recover()
             reporter = asyncio.create_task(self._report_progress())
             try:
@@ -189,7 +190,12 @@ class Node:
         run = self.run_state
         p = run.progress
         peers = await self._peer_announcements()
-        expected = sum(1 for a in peers if a.outer_step >= p.outer_step - 1)
+        # Peers that announced this round or the last are expected to offer (an early end to matchmaking).
+        expected: frozenset[str] | None = frozenset(
+            a.node_id for a in peers if a.outer_step >= p.outer_step - 1
+        )
+        if not self.dht.peer_count():
+            expected = None
         result = await self.rounds.average(
             run.trainer.pseudo_gradient(),
             float(p.round_tokens),
@@ -202,7 +208,10 @@ class Node:
         if result.averaged is None:
             self._repair_from = result.repair_from
             return
-        await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors)
+        await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
+        if faults.hit("global_params", p.outer_step) is not None:  # test-only: make this node go astray
+            run.trainer.global_flat[:16] += 1e-3
+            run.trainer.global_changed()
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
 
@@ -297,11 +306,21 @@ class Node:
 
     # ----- recovery -----
 
+    async def _wait_for_peers(self) -> None:
+        wanted = self.cfg.wait_peers
+        if wanted and self.dht.peer_count() < wanted:
+            self.phase = "waiting for peers"
+            logger.info("waiting for %d peers (--wait-peers) before training", wanted)
+        while self.dht.peer_count() < wanted and not self._stop.is_set():
+            await asyncio.sleep(0.2)
+
     async def _recover(self) -> None:
         self.phase = "recovering"
         started = time.perf_counter()
         if self.cfg.peers and not await self.dht.wait_for_peers(JOIN_WAIT_S):
-            logger.warning("no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S)
+            logger.warning(
+                "no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S
+            )
         peers, own = await self._lookup_announcements()
         lookup_s = time.perf_counter() - started
         self.recovery = recovery = Recovery(

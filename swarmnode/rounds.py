@@ -36,6 +36,18 @@ class RoundResult:
     bytes_sent: int = 0
     repair_from: tuple[Offer, ...] = ()
     note: str = ""
+    weights: dict[str, float] = field(default_factory=dict)  # members' token weights
+
+    def info(self) -> dict[str, object]:
+        """The round as it is kept in snapshot metadata."""
+        return {
+            "group": list(self.group),
+            "weights": self.weights,
+            "coverage": self.coverage,
+            "seconds": round(self.seconds, 4),
+            "bytes_sent": self.bytes_sent,
+            "note": self.note,
+        }
 
 
 class SwarmRounds:
@@ -59,9 +71,11 @@ class SwarmRounds:
         outer_step: int,
         global_digest: str,
         cursor: dict[str, int],
-        expected_peers: int,
+        expected_peers: frozenset[str] | None,
     ) -> RoundResult:
         started = time.perf_counter()
+        if expected_peers is None:  # no peer in the routing table: nobody to wait for
+            return self._solo(delta, weight, cursor, started, "no peer known")
         outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
         if outcome.repair_from:
             self.metrics.round_failures.labels("digest_mismatch").inc()
@@ -72,16 +86,23 @@ class SwarmRounds:
         if outcome.group is None:
             self.metrics.round_failures.labels("no_partners").inc()
             logger.info("round %d: %s; going on alone", outer_step, outcome.reason)
-            solo = AveragedDelta(delta, ((0, delta.numel()),), 1)
-            return RoundResult(
-                solo,
-                (self.node_id,),
-                {self.node_id: cursor},
-                1.0,
-                time.perf_counter() - started,
-                note=outcome.reason,
-            )
+            return self._solo(delta, weight, cursor, started, outcome.reason)
         return await self._allreduce(outcome.group, delta, weight, started)
+
+    def _solo(
+        self, delta: torch.Tensor, weight: float, cursor: dict[str, int], started: float, note: str
+    ) -> RoundResult:
+        solo = AveragedDelta(delta, ((0, delta.numel()),), 1)
+        seconds = time.perf_counter() - started
+        return RoundResult(
+            solo,
+            (self.node_id,),
+            {self.node_id: cursor},
+            1.0,
+            seconds,
+            note=note,
+            weights={self.node_id: weight},
+        )
 
     async def _allreduce(
         self, spec: GroupSpec, delta: torch.Tensor, weight: float, started: float
@@ -111,8 +132,10 @@ class SwarmRounds:
             coverage,
             result.bytes_sent / 1e6,
         )
+        weights = {m.node_id: m.weight for m in spec.members}
+        seconds = time.perf_counter() - started
         return RoundResult(
-            averaged, members, cursors, coverage, time.perf_counter() - started, result.bytes_sent, note=note
+            averaged, members, cursors, coverage, seconds, result.bytes_sent, note=note, weights=weights
         )
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:

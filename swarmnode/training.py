@@ -46,6 +46,8 @@ class Progress:
     """The cursor at this round's start: every batch before it is in the global params (DESIGN §4)."""
     round_cursors: dict[str, dict[str, int]] | None = None
     """The last round's members' cursors after their inner phase (round metadata, DESIGN §4)."""
+    last_round: dict[str, Any] | None = None
+    """The last round's group, member weights, coverage, seconds and bytes sent."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,12 @@ class TrainingRun:
             started, counted = time.monotonic(), 0
         self._rate_window = (started, counted)
 
-    def apply_outer(self, averaged: AveragedDelta, round_cursors: dict[str, dict[str, int]]) -> None:
+    def apply_outer(
+        self,
+        averaged: AveragedDelta,
+        round_cursors: dict[str, dict[str, int]],
+        round_info: dict[str, Any] | None = None,
+    ) -> None:
         """The outer step, then a new round; the held-out loss of the new global params is measured."""
         self.trainer.outer_step(averaged)
         p = self.progress
@@ -154,6 +161,7 @@ class TrainingRun:
         p.round_tokens = 0
         p.committed_cursor = self.loader.state_dict()
         p.round_cursors = round_cursors
+        p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
         self.metrics.outer_step.set(p.outer_step)
@@ -182,6 +190,7 @@ class TrainingRun:
             "cursor": self.loader.state_dict(),
             "committed_cursor": p.committed_cursor,
             "round_cursors": p.round_cursors,
+            "last_round": p.last_round,
             "global_digest": self.trainer.global_digest(),
             "optimizer": self.trainer.state_metadata(),
             "created_at": time.time(),
@@ -227,4 +236,3 @@ class TrainingRun:
         p.round_cursors = meta.get("round_cursors")
         p.committed_cursor = meta.get("committed_cursor") if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)
-

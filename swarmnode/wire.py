@@ -1,7 +1,8 @@
-"""Wire codecs for pseudo-gradient parts (DESIGN.md §3 "Outer step across peers").
+"""What the averaging service puts on the wire (DESIGN.md §3 "Outer step across peers"): the codecs
+of pseudo-gradient parts, the `Exchange` call's messages, and the group spec in its protobuf and JSON forms.
 
-A part of n fp32 values travels as one byte image, cut into chunks of at most `CHUNK_BYTES` by the
-transport. The image of each wire dtype:
+A part of n fp32 values travels as one byte image, cut into chunks of at most `CHUNK_BYTES`. The image
+of each wire dtype:
 - `fp32`: the raw little-endian values (4n bytes);
 - `bf16`: torch's round-to-nearest-even bfloat16 values (2n bytes);
 - `int8`: blockwise absmax quantisation, `INT8_BLOCK` values per block: first one fp32 scale per block
@@ -19,6 +20,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +28,13 @@ import torch
 
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
+from swarmnode.rpc import CHUNK_BYTES, encode_data_chunk
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
+EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
+ADMITTED = (("swarmnode-admitted", "1"),)
+"""Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
+MAX_WEIGHT = 1e15
 INT8_BLOCK = 1024
 """Values per int8 quantisation block (one fp32 scale each: 0.4% overhead)."""
 
@@ -151,8 +158,10 @@ class Member:
         if not math.isfinite(self.weight) or len(self.global_digest) > 128:
             raise ValueError(f"member {self.node_id}: bad weight or digest")
         cursor = self.cursor
-        if cursor is not None and (sorted(cursor) != sorted(CURSOR_KEYS)
-                                   or not all(type(v) is int and v >= 0 for v in cursor.values())):
+        if cursor is not None and (
+            sorted(cursor) != sorted(CURSOR_KEYS)
+            or not all(type(v) is int and v >= 0 for v in cursor.values())
+        ):
             raise ValueError(f"member {self.node_id}: cursor must map {CURSOR_KEYS} to ints >= 0: {cursor}")
 
 
@@ -216,11 +225,17 @@ class GroupSpec:
 
 
 def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
-    msg = pb.GroupProposal(run_id=spec.run_id, round=spec.round, group_id=spec.group_id,
-                           wire_dtype=spec.wire_dtype, timeout_s=spec.timeout_s)
+    msg = pb.GroupProposal(
+        run_id=spec.run_id,
+        round=spec.round,
+        group_id=spec.group_id,
+        wire_dtype=spec.wire_dtype,
+        timeout_s=spec.timeout_s,
+    )
     for m in spec.members:
-        member = msg.members.add(node_id=m.node_id, address=m.address, weight=m.weight,
-                                 global_digest=m.global_digest)
+        member = msg.members.add(
+            node_id=m.node_id, address=m.address, weight=m.weight, global_digest=m.global_digest
+        )
         if m.cursor is not None:
             member.cursor.CopyFrom(snapshot_pb.DataCursor(**m.cursor))
     return msg
@@ -229,8 +244,74 @@ def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
 def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
     """The proposal's group; ValueError if it is malformed."""
     members = tuple(
-        Member(m.node_id, m.address, m.weight,
-               {k: getattr(m.cursor, k) for k in CURSOR_KEYS} if m.HasField("cursor") else None,
-               m.global_digest)
-        for m in msg.members)
+        Member(
+            m.node_id,
+            m.address,
+            m.weight,
+            {k: getattr(m.cursor, k) for k in CURSOR_KEYS} if m.HasField("cursor") else None,
+            m.global_digest,
+        )
+        for m in msg.members
+    )
     return GroupSpec(msg.run_id, msg.round, msg.group_id, members, msg.wire_dtype, msg.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The messages of an `Exchange` call (see averaging.proto)
+
+
+def serialize(message: bytes | Any) -> bytes:
+    """A message for a gRPC stream whose data chunks come pre-encoded (`chunk_messages`)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def chunk_messages(image: memoryview) -> Iterator[tuple[bytes, int]]:
+    """The image as `(offset, data)` chunk messages (`Contribution` and `AveragedPart` share the
+    layout) in protobuf wire format, each with its payload size; built one at a time, one copy each."""
+    for offset in range(0, len(image), CHUNK_BYTES):
+        chunk = image[offset : offset + CHUNK_BYTES]
+        yield encode_data_chunk(offset, chunk), len(chunk)
+
+
+def take_chunk(msg: pb.Contribution | pb.AveragedPart, image: bytearray, got: int) -> int:
+    """Copies a chunk that continues `image` at byte `got` into it and returns its size; ValueError
+    for anything else (a header, a gap, an overlap, an empty or oversized chunk)."""
+    data = msg.data
+    if msg.HasField("header") or msg.offset != got or not 0 < len(data) <= min(CHUNK_BYTES, len(image) - got):
+        raise ValueError(f"chunk of {len(data)} bytes at offset {msg.offset} does not continue byte {got}")
+    image[got : got + len(data)] = data
+    return len(data)
+
+
+def contribution_header(
+    spec: GroupSpec, sender: int, part: int, weight: float, n: int
+) -> pb.ContributionHeader:
+    lo, hi = spec.part_range(part, n)
+    return pb.ContributionHeader(
+        group_id=spec.group_id,
+        run_id=spec.run_id,
+        round=spec.round,
+        sender=sender,
+        node_id=spec.members[sender].node_id,
+        part=part,
+        weight=weight,
+        wire_dtype=spec.wire_dtype,
+        total_elements=n,
+        part_elements=hi - lo,
+    )
+
+
+def header_problem(h: pb.ContributionHeader, spec: GroupSpec, my_index: int) -> str | None:
+    """What makes a contribution's header unfit for this member's part of the group (None: fit).
+    The sizes are checked later, once the local all-reduce knows Δ's length."""
+    if h.run_id != spec.run_id or h.round != spec.round:
+        return f"run {h.run_id!r} round {h.round} is not the group's"
+    if h.sender >= len(spec.members) or h.sender == my_index:
+        return f"sender index {h.sender} is out of range"
+    if h.node_id != spec.members[h.sender].node_id:
+        return f"node {h.node_id!r} is not member {h.sender}"
+    if h.part != my_index or h.wire_dtype != spec.wire_dtype:
+        return f"part {h.part} in {h.wire_dtype!r} is not part {my_index} in {spec.wire_dtype!r}"
+    if not 0 <= h.weight <= MAX_WEIGHT:  # NaN fails too
+        return f"weight {h.weight} is out of range"
+    return None

@@ -177,16 +177,18 @@ def start_swarm(
     count: int,
     args: Sequence[str],
     faults: Sequence[str | None] | None = None,
+    extra: Sequence[Sequence[str]] | None = None,
 ) -> list[NodeProcess]:
-    """`count` nodes on loopback: the first starts the swarm, the others bootstrap from its DHT port."""
+    """`count` nodes on loopback: the first starts the swarm, the others bootstrap from its DHT port.
+    `faults[i]` and `extra[i]` (more flags) apply to node i."""
     faults = faults or [None] * count
-    first = reaper.node(base / "n0", args, faults[0]).start()
+    extra = extra or [()] * count
+    first = reaper.node(base / "n0", [*args, *extra[0]], faults[0]).start()
     dht_port = first.wait_ready()["dht_port"]
     nodes = [first]
     for i in range(1, count):
-        nodes.append(
-            reaper.node(base / f"n{i}", [*args, "--peers", f"127.0.0.1:{dht_port}"], faults[i]).start()
-        )
+        peer_args = [*args, *extra[i], "--peers", f"127.0.0.1:{dht_port}"]
+        nodes.append(reaper.node(base / f"n{i}", peer_args, faults[i]).start())
     for node in nodes[1:]:
         node.wait_ready()
     return nodes

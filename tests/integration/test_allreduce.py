@@ -59,8 +59,13 @@ class Node:
 
 async def start_node(node_id: str, on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None) -> Node:
     servicer = AveragingServicer(node_id, on_proposal)
-    server = await rpc.start_server(LOCALHOST, 0, NoSnapshots(), lambda: rpc.NodeStatus(node_id, "run"),
-                                    extra_servicers=[servicer.register])
+    server = await rpc.start_server(
+        LOCALHOST,
+        0,
+        NoSnapshots(),
+        lambda: rpc.NodeStatus(node_id, "run"),
+        extra_servicers=[servicer.register],
+    )
     return Node(servicer, server)
 
 
@@ -74,8 +79,9 @@ async def swarm(size: int) -> AsyncIterator[list[Node]]:
             await node.server.stop(0)
 
 
-def group(members: Sequence[Member], wire_dtype: str = "fp32", timeout_s: float = 10.0,
-          group_id: str = "g1") -> GroupSpec:
+def group(
+    members: Sequence[Member], wire_dtype: str = "fp32", timeout_s: float = 10.0, group_id: str = "g1"
+) -> GroupSpec:
     return GroupSpec("run", 7, group_id, tuple(members), wire_dtype, timeout_s)
 
 
@@ -97,11 +103,17 @@ def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -
     return (total / sum(weights)).float()
 
 
-async def allreduce(nodes: Sequence[Node], spec: GroupSpec, deltas: Sequence[torch.Tensor],
-                    weights: Sequence[float]) -> list[AllReduceResult]:
-    return list(await asyncio.gather(*(
-        averaging.butterfly_allreduce(node.servicer, spec, i, delta, weight)
-        for i, (node, delta, weight) in enumerate(zip(nodes, deltas, weights, strict=True)))))
+async def allreduce(
+    nodes: Sequence[Node], spec: GroupSpec, deltas: Sequence[torch.Tensor], weights: Sequence[float]
+) -> list[AllReduceResult]:
+    return list(
+        await asyncio.gather(
+            *(
+                averaging.butterfly_allreduce(node.servicer, spec, i, delta, weight)
+                for i, (node, delta, weight) in enumerate(zip(nodes, deltas, weights, strict=True))
+            )
+        )
+    )
 
 
 def assert_identical(results: Sequence[AllReduceResult]) -> None:
@@ -156,13 +168,17 @@ def test_compressed_averages_agree_bitwise_and_stay_near_fp32(wire_dtype: str, a
     assert results[0].bytes_sent == pytest.approx(2 * 2 / 3 * wire.encoded_size(wire_dtype, n), rel=1e-3)
 
 
-@pytest.mark.parametrize(("weights", "expected", "contributors"), [
-    ((1.0, 3.0), 0.75, 2),   # tokens weight the average
-    ((0.0, 3.0), 1.0, 1),    # a member with no tokens contributes nothing
-    ((0.0, 0.0), None, 0),   # no tokens at all: nothing is averaged
-])
-def test_contributions_are_weighted_by_tokens(weights: tuple[float, float], expected: float | None,
-                                              contributors: int) -> None:
+@pytest.mark.parametrize(
+    ("weights", "expected", "contributors"),
+    [
+        ((1.0, 3.0), 0.75, 2),  # tokens weight the average
+        ((0.0, 3.0), 1.0, 1),  # a member with no tokens contributes nothing
+        ((0.0, 0.0), None, 0),  # no tokens at all: nothing is averaged
+    ],
+)
+def test_contributions_are_weighted_by_tokens(
+    weights: tuple[float, float], expected: float | None, contributors: int
+) -> None:
     n = 10_000
     deltas = [torch.zeros(n), torch.ones(n)]
 
@@ -220,22 +236,32 @@ def test_proposal_is_accepted_or_refused_and_carries_the_whole_group() -> None:
         yes, no = await start_node("0a", accept), await start_node("0b", refuse)
         try:
             cursor = {"shard": 3, "epoch": 1, "position": 96}
-            spec = group([Member("0a", yes.address, 12.5, cursor, "ab" * 32), Member("0b", no.address)],
-                         "int8", 4.5)
+            spec = group(
+                [Member("0a", yes.address, 12.5, cursor, "ab" * 32), Member("0b", no.address)], "int8", 4.5
+            )
             stranger = group([Member("0c", "127.0.0.1:1"), Member("0d", "127.0.0.1:2")])
-            return (await averaging.propose_group(yes.address, spec, 5.0),
-                    await averaging.propose_group(no.address, spec, 5.0),
-                    await averaging.propose_group(yes.address, stranger, 5.0),
-                    await averaging.propose_group(f"{LOCALHOST}:{free_port()}", spec, 5.0))
+            return (
+                await averaging.propose_group(yes.address, spec, 5.0),
+                await averaging.propose_group(no.address, spec, 5.0),
+                await averaging.propose_group(yes.address, stranger, 5.0),
+                await averaging.propose_group(f"{LOCALHOST}:{free_port()}", spec, 5.0),
+            )
         finally:
             await yes.server.stop(0)
             await no.server.stop(0)
 
     assert run(scenario()) == (True, False, False, False)
     assert len(seen) == 1 and seen[0].members[0].cursor == {"shard": 3, "epoch": 1, "position": 96}
-    assert seen[0] == group([Member("0a", seen[0].members[0].address, 12.5,
-                                    {"shard": 3, "epoch": 1, "position": 96}, "ab" * 32),
-                             Member("0b", seen[0].members[1].address)], "int8", 4.5)
+    assert seen[0] == group(
+        [
+            Member(
+                "0a", seen[0].members[0].address, 12.5, {"shard": 3, "epoch": 1, "position": 96}, "ab" * 32
+            ),
+            Member("0b", seen[0].members[1].address),
+        ],
+        "int8",
+        4.5,
+    )
 
 
 def free_port() -> int:
@@ -301,7 +327,8 @@ def test_a_sender_whose_stream_breaks_is_left_out_of_that_part() -> None:
             breaker = RawSender(spec, 2, deltas[2], weights[2])
             members = allreduce(nodes[:2], spec, deltas[:2], weights[:2])
             results, part0, _ = await asyncio.gather(
-                members, breaker.send(nodes[0].address, 0), breaker.send(nodes[1].address, 1, stop_at=0.5))
+                members, breaker.send(nodes[0].address, 0), breaker.send(nodes[1].address, 1, stop_at=0.5)
+            )
             return results, part0
 
     results, part0 = run(scenario())
@@ -324,13 +351,23 @@ class RawSender:
     def header(self, k: int, **changes: object) -> pb.ContributionHeader:
         n = self.delta.numel()
         lo, hi = self.spec.part_range(k, n)
-        fields: dict[str, Any] = dict(group_id=self.spec.group_id, run_id=self.spec.run_id, round=self.spec.round,
-                      sender=self.me, node_id=self.spec.members[self.me].node_id, part=k, weight=self.weight,
-                      wire_dtype=self.spec.wire_dtype, total_elements=n, part_elements=hi - lo)
+        fields: dict[str, Any] = dict(
+            group_id=self.spec.group_id,
+            run_id=self.spec.run_id,
+            round=self.spec.round,
+            sender=self.me,
+            node_id=self.spec.members[self.me].node_id,
+            part=k,
+            weight=self.weight,
+            wire_dtype=self.spec.wire_dtype,
+            total_elements=n,
+            part_elements=hi - lo,
+        )
         return pb.ContributionHeader(**{**fields, **changes})
 
-    async def send(self, address: str, k: int, stop_at: float = 1.0,
-                   messages: Sequence[object] | None = None) -> torch.Tensor | None:
+    async def send(
+        self, address: str, k: int, stop_at: float = 1.0, messages: Sequence[object] | None = None
+    ) -> torch.Tensor | None:
         """Streams part k (up to the fraction `stop_at`, then breaks the call); returns the averaged
         part if the reducer sends it back, None if the call was broken off."""
         image = wire.encode(self.delta[slice(*self.spec.part_range(k, self.delta.numel()))], "fp32")
@@ -338,11 +375,14 @@ class RawSender:
             stop = int(len(image) * stop_at)
             messages = [pb.Contribution(header=self.header(k))] + [
                 pb.Contribution(offset=o, data=bytes(image[o : min(o + rpc.CHUNK_BYTES, stop)]))
-                for o in range(0, stop, rpc.CHUNK_BYTES)]
+                for o in range(0, stop, rpc.CHUNK_BYTES)
+            ]
         async with rpc.open_channel(address) as channel:
-            call = channel.stream_stream(averaging.EXCHANGE_METHOD,
-                                         request_serializer=pb.Contribution.SerializeToString,
-                                         response_deserializer=pb.AveragedPart.FromString)()
+            call = channel.stream_stream(
+                averaging.EXCHANGE_METHOD,
+                request_serializer=pb.Contribution.SerializeToString,
+                response_deserializer=pb.AveragedPart.FromString,
+            )()
             for message in messages:
                 await call.write(message)
             if stop_at < 1.0:
@@ -367,14 +407,17 @@ def test_malformed_calls_are_refused_and_the_node_carries_on() -> None:
             assert nodes[0].servicer.expect(spec)
             raw = RawSender(spec, 1, torch.ones(n), 1.0)
             head = pb.Contribution
-            codes = [await refusal(raw, nodes[0].address, m) for m in [
-                [head(header=raw.header(0, group_id="nope"))],
-                [head(offset=0, data=b"1234")],
-                [head(header=raw.header(0, part=1))],
-                [head(header=raw.header(0, sender=0, node_id="01"))],
-                [head(header=raw.header(0, weight=float("nan")))],
-                [head(header=raw.header(0, wire_dtype="fp64"))],
-            ]]
+            codes = [
+                await refusal(raw, nodes[0].address, m)
+                for m in [
+                    [head(header=raw.header(0, group_id="nope"))],
+                    [head(offset=0, data=b"1234")],
+                    [head(header=raw.header(0, part=1))],
+                    [head(header=raw.header(0, sender=0, node_id="01"))],
+                    [head(header=raw.header(0, weight=float("nan")))],
+                    [head(header=raw.header(0, wire_dtype="fp64"))],
+                ]
+            ]
             deltas = random_deltas(2, n)
             results = await allreduce(nodes, spec, deltas, [1.0, 1.0])
             return codes, results
@@ -397,14 +440,17 @@ def test_misplaced_oversized_or_repeated_parts_are_refused() -> None:
         async with swarm(2) as nodes:
             codes: list[grpc.StatusCode | None] = []
             for i, case in enumerate(cases):
-                spec = group([x.member for x in nodes], timeout_s=2.0, group_id=f"g{i}")
+                spec = group([x.member for x in nodes], timeout_s=1.0, group_id=f"g{i}")
                 raw = RawSender(spec, 1, torch.ones(n), 1.0)
                 assert nodes[0].servicer.expect(spec)
                 runner = asyncio.create_task(
-                    averaging.butterfly_allreduce(nodes[0].servicer, spec, 0, torch.ones(n), 1.0))
+                    averaging.butterfly_allreduce(nodes[0].servicer, spec, 0, torch.ones(n), 1.0)
+                )
                 codes.append(await refusal(raw, nodes[0].address, case(raw)))
                 if i == 0:  # the same sender again
-                    codes.append(await refusal(raw, nodes[0].address, [pb.Contribution(header=raw.header(0))]))
+                    codes.append(
+                        await refusal(raw, nodes[0].address, [pb.Contribution(header=raw.header(0))])
+                    )
                 result = await runner
                 assert result.contributors == (1, 0)  # node 1 never started; node 0 averaged itself
             return codes
@@ -431,16 +477,24 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
     deltas, weights = random_deltas(3, n, seed=5), [1.0, 2.0, 3.0]
     env = {**os.environ, "SWARMNODE_FAULTS": "kill@allreduce_send#2", "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "victim.log", "wb") as log:
-        victim = subprocess.Popen([sys.executable, __file__, "member", "03", str(n), "5", str(weights[2])],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-                                  start_new_session=True)
+        victim = subprocess.Popen(
+            [sys.executable, __file__, "member", "03", str(n), "5", str(weights[2])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
     try:
         port = int(read_line(victim, 30.0))
 
         async def scenario() -> tuple[list[AllReduceResult], float]:
             async with swarm(2) as nodes:
-                spec = group([nodes[0].member, nodes[1].member, Member("03", f"{LOCALHOST}:{port}")],
-                             timeout_s=timeout_s)
+                spec = group(
+                    [nodes[0].member, nodes[1].member, Member("03", f"{LOCALHOST}:{port}")],
+                    timeout_s=timeout_s,
+                )
                 for node in nodes:
                     assert node.servicer.expect(spec)
                 assert victim.stdin is not None
@@ -468,8 +522,9 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
 def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     """The child's next stdout line, or an AssertionError after the deadline (or if it exits)."""
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline() if proc.stdout else ""),
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: lines.append(proc.stdout.readline() if proc.stdout else ""), daemon=True
+    )
     reader.start()
     reader.join(timeout_s)
     assert lines and lines[0].strip(), f"child printed nothing in {timeout_s} s (exit {proc.poll()})"
