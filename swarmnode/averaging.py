@@ -173,10 +173,13 @@ class _Round:
         if self.started.is_set() and not self.waiting:
             self.all_in.set()
 
-    def close(self) -> list[tuple[float, bytearray]]:
-        """The whole contributions, in sender order; any that completes later is left out."""
+    def close(self) -> list[tuple[float, torch.Tensor | bytearray]]:
+        """The whole contributions, its own included, in member order; any that completes later is
+        left out."""
         self.closed = True
-        return [self.contributions[s] for s in sorted(self.contributions)]
+        contributions: dict[int, tuple[float, torch.Tensor | bytearray]] = dict(self.contributions)
+        contributions[self.my_index] = (self.own_weight, self.own)
+        return [contributions[k] for k in sorted(contributions)]
 
     def publish(self, averaged: _Averaged) -> None:
         if not self.result.done():
@@ -225,21 +228,26 @@ class _Round:
 
 
 def _average(
-    own: torch.Tensor, own_weight: float, others: list[tuple[float, bytearray]], wire_dtype: str
+    contributions: list[tuple[float, torch.Tensor | bytearray]], wire_dtype: str, n: int
 ) -> _Averaged:
-    """Σ wᵢΔᵢ / Σ wᵢ in fp32 over the finite contributions of positive weight; then its wire image and
-    the image's decoded values, which is what every member applies. Runs on a worker thread."""
-    n = own.numel()
-    acc, total, count = torch.zeros(n, dtype=torch.float32), 0.0, 0
-    decoded = ((w, wire.decode(image, wire_dtype, n)) for w, image in others)
-    for weight, values in itertools.chain([(own_weight, own)], decoded):
-        if weight > 0 and bool(torch.isfinite(values).all()):
-            acc.add_(values, alpha=weight)
-            total, count = total + weight, count + 1
-    if count == 0 or not bool(torch.isfinite(acc.div_(total)).all()):
+    """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the finite contributions of positive weight (so
+    equal weights give exactly (Δ₀ + Δ₁) / 2); then its wire image and the image's decoded values,
+    which is what every member applies. Runs on a worker thread."""
+    kept: list[tuple[float, torch.Tensor]] = []
+    for weight, data in contributions:
+        if weight <= 0:
+            continue
+        values = data if isinstance(data, torch.Tensor) else wire.decode(data, wire_dtype, n)
+        if bool(torch.isfinite(values).all()):
+            kept.append((weight, values))
+    if not kept:
         return _NOT_AVERAGED
+    total = sum(weight for weight, _ in kept)
+    acc = torch.zeros(n, dtype=torch.float32)
+    for weight, values in kept:
+        acc.add_(values, alpha=weight / total)
     image = wire.encode(acc, wire_dtype)
-    return _Averaged(count, image, wire.decode(image, wire_dtype, n))
+    return _Averaged(len(kept), image, wire.decode(image, wire_dtype, n))
 
 
 class AveragingServicer:
@@ -253,7 +261,8 @@ class AveragingServicer:
         on_rejected: Callable[[str], None] | None = None,
     ) -> None:
         """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
-        valid group that names it); `on_rejected(reason)` counts requests refused as bad or late."""
+        valid group that names it); `on_rejected(reason)` counts requests refused as bad or late
+        ("invalid", "duplicate", "expired", "over")."""
         self.node_id = node_id
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
         self._rounds: dict[str, _Round] = {}
@@ -487,8 +496,8 @@ class _Butterfly:
         out (or at the collect deadline), publishes the result, and waits until it was delivered."""
         await _wait_until(rnd.all_in, self.collect_deadline)
         await _wait_until(self.sends_done, self.collect_deadline)
-        others = rnd.close()
-        averaged = await asyncio.to_thread(_average, rnd.own, rnd.own_weight, others, self.spec.wire_dtype)
+        contributions = rnd.close()
+        averaged = await asyncio.to_thread(_average, contributions, self.spec.wire_dtype, rnd.own.numel())
         faults.hit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="export the node's local weights instead of the swarm's global params",
     )
+    sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery (~1 min)")
     bench = sub.add_parser(
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
@@ -99,6 +100,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         snapshot = None if args.snapshot in ("latest", "") else args.snapshot
         return fetch_command(args.address, snapshot, args.out)
+    if args.command == "demo":
+        from swarmnode.demo import run_demo
+
+        return run_demo()
     if args.command == "bench":
         from swarmnode.bench import BENCHES
 
@@ -119,8 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     setup_logging(cfg.log_format)
     from swarmnode.node import Node
+    from swarmnode.progress import ProgressReporter
 
-    node = Node(cfg)
+    node = Node(cfg, progress=ProgressReporter.for_stream(sys.stderr, cfg.log_format))
     try:
         node.build()
     except ConfigError:

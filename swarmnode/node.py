@@ -35,13 +35,13 @@ from swarmnode.identity import Identity
 from swarmnode.matchmaking import Matchmaker, Offer
 from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
+from swarmnode.progress import ProgressReporter, ProgressSample
 from swarmnode.recovery import Receipt, Recovery, append_receipt
 from swarmnode.rounds import RoundResult, SwarmRounds
 from swarmnode.snapshot import SnapshotInfo, sha256_file
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
 
 logger = logging.getLogger(__name__)
-progress_logger = logging.getLogger("swarmnode.progress")
 
 JOIN_WAIT_S = 15.0
 """How long a starting node waits for its --peers to answer before it recovers without them."""
@@ -57,9 +57,12 @@ class Ports:
 class Node:
     """One swarm member. `run()` returns the process exit code."""
 
-    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, cfg: NodeConfig, metrics: Metrics | None = None, progress: ProgressReporter | None = None
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
+        self.progress = progress
         self.ports = Ports()
         self.started_at = time.time()
         self.phase = "starting"
@@ -507,19 +510,30 @@ class Node:
         os.replace(tmp, path)
 
     async def _report_progress(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.progress_interval_s)
-            progress_logger.info("%s", self.progress_line())
+        reporter = self.progress
+        if reporter is None:
+            return
+        interval = reporter.interval_s or self.cfg.progress_interval_s
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                reporter.report(self.progress_sample())
+        finally:
+            reporter.finish()
 
-    def progress_line(self) -> str:
+    def progress_sample(self) -> ProgressSample:
         p = self.run_state.progress
         created = self.checkpointer.newest_created_at()
-        age = f"{time.time() - created:.0f}s" if created else "none"
-        loss = f"{p.last_loss:.4f}" if p.last_loss is not None else "-"
-        return (
-            f"round {p.outer_step} step {p.round_step}/{self.cfg.inner_steps} loss {loss} "
-            f"tok/s {self.run_state.tokens_per_second:.0f} peers {self.dht.peer_count()} "
-            f"snapshot {age}"
+        return ProgressSample(
+            round=p.outer_step,
+            step=p.round_step,
+            steps_per_round=self.cfg.inner_steps,
+            loss=p.last_loss,
+            heldout_loss=p.heldout_loss,
+            tokens_per_s=round(self.run_state.tokens_per_second, 1),
+            peers=self.dht.peer_count(),
+            snapshot_age_s=None if created is None else time.time() - created,
+            phase=self.phase,
         )
 
     def rpc_status(self) -> rpc.NodeStatus:

@@ -77,24 +77,21 @@ def encode(x: torch.Tensor, wire_dtype: str) -> memoryview:
 
 
 def decode(image: bytes | bytearray | memoryview, wire_dtype: str, n: int) -> torch.Tensor:
-    """The n fp32 values of an image made by `encode`. Raises ValueError if its size is not exactly
-    `encoded_size(wire_dtype, n)`."""
+    """The n fp32 values of an image made by `encode`; for fp32 a view of the image's memory if it is
+    writable (no copy). Raises ValueError if its size is not exactly `encoded_size(wire_dtype, n)`."""
     if len(image) != encoded_size(wire_dtype, n):
         raise ValueError(
             f"a {wire_dtype} image of {n} values has {encoded_size(wire_dtype, n)} bytes, not {len(image)}"
         )
-    out = torch.empty(n, dtype=torch.float32)
     if n == 0:
-        return out
+        return torch.empty(0, dtype=torch.float32)
     raw = torch.frombuffer(_writable(image), dtype=torch.uint8)
     if wire_dtype == "fp32":
-        out.copy_(raw.view(torch.float32))
-    elif wire_dtype == "bf16":
-        out.copy_(raw.view(torch.bfloat16))
-    else:
-        nb = int8_blocks(n)
-        out.copy_(_dequantize_int8(raw[: 4 * nb].view(torch.float32), raw[4 * nb :].view(torch.int8)))
-    return out
+        return raw.view(torch.float32)
+    if wire_dtype == "bf16":
+        return raw.view(torch.bfloat16).float()
+    nb = int8_blocks(n)
+    return _dequantize_int8(raw[: 4 * nb].view(torch.float32), raw[4 * nb :].view(torch.int8))
 
 
 def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

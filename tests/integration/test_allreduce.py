@@ -99,7 +99,9 @@ def random_deltas(count: int, n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    total = sum(w * d.double() for w, d in zip(weights, deltas, strict=True))
+    total = torch.zeros(deltas[0].numel(), dtype=torch.float64)
+    for w, d in zip(weights, deltas, strict=True):
+        total += w * d.double()
     return (total / sum(weights)).float()
 
 
@@ -194,6 +196,19 @@ def test_contributions_are_weighted_by_tokens(
     else:
         assert results[0].averaged.covered == ((0, n),)
         assert torch.equal(results[0].averaged.delta, torch.full((n,), expected))
+
+
+def test_equal_token_counts_give_exactly_the_plain_mean() -> None:
+    """(Δ₀ + Δ₁) / 2 bit for bit, whatever the token count: a single-process reference matches."""
+    deltas = random_deltas(2, 100_003, seed=7)
+
+    async def scenario() -> list[AllReduceResult]:
+        async with swarm(2) as nodes:
+            return await allreduce(nodes, group([x.member for x in nodes]), deltas, [2560.0, 2560.0])
+
+    results = run(scenario())
+    assert_identical(results)
+    assert torch.equal(results[0].averaged.delta, (deltas[0] + deltas[1]) / 2)
 
 
 def test_a_group_of_one_is_the_identity_without_network() -> None:
@@ -342,6 +357,37 @@ def test_a_sender_whose_stream_breaks_is_left_out_of_that_part() -> None:
     assert part0 is not None and torch.equal(part0, got[p0])  # the whole sender got its part's average
 
 
+def test_a_late_sender_is_left_out_but_still_gets_the_average() -> None:
+    """Member 2 (hand-driven) delivers part 1 whole but stalls half-way through part 0: reducer 0
+    averages without it at its collect deadline and answers it all the same."""
+    n, timeout_s = 3 * 2**20, 2.0
+    deltas, weights = random_deltas(3, n, seed=6), [1.0, 2.0, 3.0]
+
+    async def scenario() -> tuple[list[AllReduceResult], torch.Tensor | None, float]:
+        async with swarm(3) as nodes:
+            spec = group([x.member for x in nodes], timeout_s=timeout_s)
+            assert all(node.servicer.expect(spec) for node in nodes)
+            late = RawSender(spec, 2, deltas[2], weights[2])
+            started = time.monotonic()
+            results, part0, _ = await asyncio.gather(
+                allreduce(nodes[:2], spec, deltas[:2], weights[:2]),
+                late.send(nodes[0].address, 0, stop_at=0.5, stall=True),
+                late.send(nodes[1].address, 1),
+            )
+            return results, part0, time.monotonic() - started
+
+    results, part0, seconds = run(scenario())
+    assert seconds < timeout_s + 1.0
+    assert_identical(results)
+    assert results[0].contributors == (2, 3, 0)
+    spec = group([Member("01", "h:1"), Member("02", "h:1"), Member("03", "h:1")])
+    got = results[0].averaged.delta
+    p0, p1 = part(spec, 0, n), part(spec, 1, n)
+    assert torch.allclose(got[p0], weighted_average(deltas[:2], weights[:2])[p0], atol=1e-6)
+    assert torch.allclose(got[p1], weighted_average(deltas, weights)[p1], atol=1e-6)
+    assert part0 is not None and torch.equal(part0, got[p0])
+
+
 class RawSender:
     """A member's sending side driven by hand through the wire protocol."""
 
@@ -366,10 +412,15 @@ class RawSender:
         return pb.ContributionHeader(**{**fields, **changes})
 
     async def send(
-        self, address: str, k: int, stop_at: float = 1.0, messages: Sequence[object] | None = None
+        self,
+        address: str,
+        k: int,
+        stop_at: float = 1.0,
+        messages: Sequence[object] | None = None,
+        stall: bool = False,
     ) -> torch.Tensor | None:
-        """Streams part k (up to the fraction `stop_at`, then breaks the call); returns the averaged
-        part if the reducer sends it back, None if the call was broken off."""
+        """Streams part k up to the fraction `stop_at`, then breaks the call (or with `stall`, keeps it
+        open without sending more); returns the averaged part if the reducer sends it back."""
         image = wire.encode(self.delta[slice(*self.spec.part_range(k, self.delta.numel()))], "fp32")
         if messages is None:
             stop = int(len(image) * stop_at)
@@ -385,10 +436,11 @@ class RawSender:
             )()
             for message in messages:
                 await call.write(message)
-            if stop_at < 1.0:
+            if stop_at < 1.0 and not stall:
                 call.cancel()
                 return None
-            await call.done_writing()
+            if not stall:
+                await call.done_writing()
             return await self.read_result(call, k)
 
     async def read_result(self, call: grpc.aio.StreamStreamCall, k: int) -> torch.Tensor | None:

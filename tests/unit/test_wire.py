@@ -103,7 +103,7 @@ def test_unknown_wire_dtype_is_refused() -> None:
 
 
 @pytest.mark.parametrize("message_type", [pb.Contribution, pb.AveragedPart])
-def test_chunk_messages_parse_and_reassemble_the_image(message_type: type) -> None:
+def test_chunk_messages_parse_and_reassemble_the_image(message_type: type[pb.Contribution]) -> None:
     image = wire.encode(values(CHUNK_BYTES // 2 + 7), "fp32")  # two whole chunks and a bit
     got, rebuilt = 0, bytearray(len(image))
     sizes = []

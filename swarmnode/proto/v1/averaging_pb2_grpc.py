@@ -59,11 +59,13 @@ class AveragingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Exchange(self, request_iterator, context):
-        """Butterfly all-reduce, one call per (sender, reducer) pair. The sender streams its contribution
-        to the reducer's part: a first message with `header` only, then the part's wire image in
-        chunks of at most 1 MiB, in order (`offset` = byte offset in the image). Once the reducer has
-        every expected contribution or its deadline passed, it answers with a first message carrying
-        `header` only and then the averaged part's image in chunks the same way, and ends the call.
+        """Butterfly all-reduce, one call per (sender, reducer) pair. The sender sends a first message
+        with `header` only; once the reducer has admitted it, it sends initial metadata
+        `swarmnode-admitted: 1` and the sender streams its part's wire image in chunks of at most
+        1 MiB, in order (`offset` = byte offset in the image). Once the reducer has every expected
+        contribution or its deadline passed, it answers with a first message carrying `header` only,
+        then the averaged part's image in chunks the same way, and ends the call. A sender whose
+        contribution was cut short still gets the answer if its call is open.
         Errors: FAILED_PRECONDITION (group not known here yet: the sender may retry), ABORTED (the
         group's all-reduce is over, or never started here), INVALID_ARGUMENT (a header or chunk that
         does not fit the group), ALREADY_EXISTS (a second call from the same sender).
