@@ -25,10 +25,42 @@ from swarmnode import rpc
 from swarmnode.recovery import read_receipts
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header
 
-NODE_ARGS = ("--model", "tiny", "--threads", "1", "--seq-len", "64", "--batch-size", "8", "--host", "127.0.0.1",
-             "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0", "--inner-steps", "40", "--hot-every",
-             "10", "--cold-every", "1", "--keep-cold", "50", "--wait-peers", "2", "--matchmaking-timeout", "5",
-             "--allreduce-timeout", "10", "--run-id", "demo", "--progress-interval", "3600")
+NODE_ARGS = (
+    "--model",
+    "tiny",
+    "--threads",
+    "1",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--host",
+    "127.0.0.1",
+    "--grpc-port",
+    "0",
+    "--dht-port",
+    "0",
+    "--metrics-port",
+    "0",
+    "--inner-steps",
+    "40",
+    "--hot-every",
+    "10",
+    "--cold-every",
+    "1",
+    "--keep-cold",
+    "50",
+    "--wait-peers",
+    "2",
+    "--matchmaking-timeout",
+    "5",
+    "--allreduce-timeout",
+    "10",
+    "--run-id",
+    "demo",
+    "--progress-interval",
+    "3600",
+)
 ROUNDS_BEFORE_CRASH = 3
 ROUNDS_AFTER_RECOVERY = 2
 T = TypeVar("T")
@@ -47,8 +79,13 @@ class DemoNode:
         # torch keeps a compiler cache under $TMPDIR; the demo's own temporary directory holds it instead.
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.data_dir.parent / "torch-cache")}
         with (self.data_dir / "node.log").open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "swarmnode.cli", "run", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarmnode.cli", "run", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
 
     def info(self) -> dict[str, Any] | None:
         path = self.data_dir / "node.json"
@@ -139,9 +176,11 @@ def crash_and_recover(victim: DemoNode) -> dict[str, Any]:
     started = time.monotonic()
     victim.start()
     receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 90, f"{victim.name} to recover")[0]
-    say(f"{victim.name} back in {time.monotonic() - started:.1f} s (process start included): "
+    say(
+        f"{victim.name} back in {time.monotonic() - started:.1f} s (process start included): "
         f"{receipt['source']} snapshot {receipt['snapshot_id'][:12]} from {receipt['peer']}, "
-        f"cursor {receipt['cursor']} ({receipt['cursor_source']})")
+        f"cursor {receipt['cursor']} ({receipt['cursor_source']})"
+    )
     return receipt
 
 
@@ -155,24 +194,34 @@ def node_history(node: DemoNode) -> dict[str, Any]:
             rounds[outer] = read_header(path).metadata
     losses = [m["heldout_loss"] for _, m in sorted(rounds.items()) if m.get("heldout_loss") is not None]
     digest = rounds[max(rounds)]["global_digest"][:12] if rounds else "-"
-    return {"rounds": max(rounds, default=0), "first": losses[0] if losses else None,
-            "last": losses[-1] if losses else None, "digest": digest,
-            "size": sum(sizes) / len(sizes) if sizes else 0}
+    return {
+        "rounds": max(rounds, default=0),
+        "first": losses[0] if losses else None,
+        "last": losses[-1] if losses else None,
+        "digest": digest,
+        "size": sum(sizes) / len(sizes) if sizes else 0,
+    }
 
 
 def print_summary(nodes: list[DemoNode], receipt: dict[str, Any]) -> None:
     print()
-    print(f"{'node':<7} {'rounds':>6} {'held-out loss first → last':>28} {'snapshot':>10} {'global digest':>14}")
+    print(
+        f"{'node':<7} {'rounds':>6} {'held-out loss first → last':>28} {'snapshot':>10} {'global digest':>14}"
+    )
     for node in nodes:
         h = node_history(node)
         first = "-" if h["first"] is None else f"{h['first']:.3f}"
         last = "-" if h["last"] is None else f"{h['last']:.3f}"
-        print(f"{node.name:<7} {h['rounds']:>6} {first + ' → ' + last:>28} {h['size'] / 1e6:>8.1f}MB "
-              f"{h['digest']:>14}")
+        print(
+            f"{node.name:<7} {h['rounds']:>6} {first + ' → ' + last:>28} {h['size'] / 1e6:>8.1f}MB "
+            f"{h['digest']:>14}"
+        )
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(receipt["stages_s"].items()))
-    print(f"\nrecovery of {nodes[-1].name}: {receipt['seconds']:.2f} s in the node ({stages}); "
-          f"{receipt['bytes'] / 1e6:.1f} MB fetched from {receipt['peer']}; loss before "
-          f"{receipt['loss_before']:.3f}, first loss after {receipt['first_loss_after']:.3f}")
+    print(
+        f"\nrecovery of {nodes[-1].name}: {receipt['seconds']:.2f} s in the node ({stages}); "
+        f"{receipt['bytes'] / 1e6:.1f} MB fetched from {receipt['peer']}; loss before "
+        f"{receipt['loss_before']:.3f}, first loss after {receipt['first_loss_after']:.3f}"
+    )
 
 
 def run_demo() -> int:
@@ -182,8 +231,10 @@ def run_demo() -> int:
         with demo_swarm(workdir) as nodes:
             start_nodes(workdir, nodes)
             for status in wait_rounds(nodes, ROUNDS_BEFORE_CRASH, 120):
-                say(f"round {status.outer_step}: {status.node_id[:12]} loss {status.last_loss:.3f}, "
-                    f"group of {len(status.last_group)}, coverage {status.last_coverage}")
+                say(
+                    f"round {status.outer_step}: {status.node_id[:12]} loss {status.last_loss:.3f}, "
+                    f"group of {len(status.last_group)}, coverage {status.last_coverage}"
+                )
             receipt = crash_and_recover(nodes[-1])
             target = receipt["outer_step"] + ROUNDS_AFTER_RECOVERY
             statuses = wait_rounds(nodes, target, 120)

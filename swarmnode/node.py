@@ -32,6 +32,7 @@ from swarmnode.data import ShardLoader, load_corpus, shard_for_node
 from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.diloco import DilocoConfig
 from swarmnode.identity import Identity
+from swarmnode.ledger import Ledger
 from swarmnode.matchmaking import Matchmaker, Offer
 from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
@@ -99,6 +100,7 @@ class Node:
         self.run_state = TrainingRun(
             model_cfg, diloco, loader, corpus, identity, cfg.seed, device, self.metrics
         )
+        self.ledger = Ledger(cfg.data_dir, self.node_id)
         self.checkpointer = SpeculativeCheckpointer(
             CheckpointerConfig(
                 cfg.snapshot_dir, cfg.keep_hot, cfg.keep_cold, cfg.layout, cfg.hot_level, cfg.cold_level
@@ -199,6 +201,8 @@ class Node:
         )
         if not self.dht.peer_count():
             expected = None
+        assert p.committed_cursor is not None
+        self.ledger.round(p.outer_step, p.committed_cursor, run.loader.state_dict())
         result = await self.rounds.average(
             run.trainer.pseudo_gradient(),
             float(p.round_tokens),
@@ -208,6 +212,7 @@ class Node:
             expected,
         )
         self.last_round = result
+        self._settle_round(result)
         if result.averaged is None:
             self._repair_from = result.repair_from
             return
@@ -217,6 +222,15 @@ class Node:
             run.trainer.global_changed()
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
+
+    def _settle_round(self, result: RoundResult) -> None:
+        if result.averaged is None:
+            status = "dropped"
+        elif not result.averaged.covered:
+            status = "carried"
+        else:
+            status = "applied" if len(result.group) > 1 else "solo"
+        self.ledger.settle(self.run_state.progress.outer_step, status, len(result.group))
 
     # ----- catching up with the swarm -----
 
@@ -241,8 +255,9 @@ class Node:
         )
         self.phase = "repairing"
         ahead.sort(key=lambda a: a.freshness, reverse=True)
-        if await self.recovery.repair(ahead, p.committed_cursor):
+        if await self.recovery.repair(ahead) is not None:
             self.repairs += 1
+            self.ledger.adopt(self.run_state.loader.state_dict(), "repair", p.outer_step)
             self.metrics.repairs.inc()
             logger.warning(
                 "repaired: %s; now at outer step %d with the swarm's global params", why, p.outer_step
@@ -339,6 +354,9 @@ class Node:
             self.checkpointer.adopt_existing, lambda path, sid: sid in verified or sha256_file(path) == sid
         )
         self._log_recovery(receipt)
+        progress = self.run_state.progress
+        assert progress.committed_cursor is not None
+        self.ledger.adopt(progress.committed_cursor, receipt.source, progress.outer_step)
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
         self._pending_receipt = receipt

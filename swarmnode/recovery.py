@@ -119,7 +119,7 @@ class Recovery:
         failed: list[str] = []
 
         def freshest_own(meta: dict[str, Any]) -> CursorChoice:
-            return self._own_cursor(own, meta.get("round_cursors"))
+            return self._own_cursor(own, meta.get("swarm_cursors"))
 
         for candidate in candidates:
             receipt = await self._try(candidate, freshest_own, failed)
@@ -160,20 +160,26 @@ class Recovery:
         logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
         return None
 
-    async def repair(self, peers: list[Announcement], cursor: dict[str, int] | None) -> bool:
-        """Adopt the freshest of `peers`' snapshots that verifies, keeping this node's `cursor` and step
-        counters (a catch-up during training, not a restart: no receipt)."""
+    async def repair(self, peers: list[Announcement]) -> Receipt | None:
+        """Adopt the freshest of `peers`' snapshots that verifies (a catch-up during training). The data
+        cursor becomes this node's record in the adopted lineage, so work the swarm never received is
+        trained again; step counters are kept."""
         steps = (self.run.progress.inner_step, self.run.progress.tokens)
 
-        def keep_committed(meta: dict[str, Any]) -> CursorChoice:
-            return CursorChoice(cursor, "committed", steps)
+        def lineage_or_fresh(meta: dict[str, Any]) -> CursorChoice:
+            """Only batches the adopted θ_g holds count: this node's record in its lineage, else none."""
+            mine = (meta.get("swarm_cursors") or {}).get(self.run.identity.node_id)
+            if mine and _is_own_shard(mine, self.run.loader.shard):
+                return CursorChoice(mine, "round_metadata", steps)
+            return CursorChoice({"shard": self.run.loader.shard, "epoch": 0, "position": 0}, "fresh", steps)
 
         failed: list[str] = []
         for peer in peers:
             candidate = Candidate(peer.outer_step, peer.inner_step, announcement=peer)
-            if await self._try(candidate, keep_committed, failed):
-                return True
-        return False
+            receipt = await self._try(candidate, lineage_or_fresh, failed)
+            if receipt is not None:
+                return receipt
+        return None
 
     def _restore_local(self, path: Path) -> Receipt:
         snapshot_id = parse_snapshot_name(path.name)[3]  # type: ignore[index]
@@ -241,14 +247,16 @@ class Recovery:
             loss_before=loaded.metadata.get("last_loss"),
         )
 
-    def _own_cursor(self, own: Announcement | None, round_meta: dict[str, Any] | None = None) -> CursorChoice:
-        """This node's freshest committed cursor (every batch before it is in the global params): from
-        the restored snapshot's round metadata, its own last announcement, or its own older snapshots.
-        Committed cursors only grow, so the freshest is the largest (epoch, position)."""
+    def _own_cursor(self, own: Announcement | None, lineage: dict[str, Any] | None = None) -> CursorChoice:
+        """This node's cursor for the adopted state. The lineage's record of this node (round metadata
+        carried by every snapshot: how far its batches are in θ_g) is exact and wins; without one (a
+        node that never averaged with this lineage), the freshest of its own last announcement and its
+        own snapshots' committed cursors; else afresh (DESIGN.md §4)."""
+        mine = (lineage or {}).get(self.run.identity.node_id)
+        if mine and _is_own_shard(mine, self.run.loader.shard):
+            steps = (own.inner_step, 0) if own is not None else (0, 0)
+            return CursorChoice(mine, "round_metadata", steps)
         options = [CursorChoice(None, "fresh", (0, 0))]
-        mine = (round_meta or {}).get(self.run.identity.node_id)
-        if mine:
-            options.append(CursorChoice(mine, "round_metadata", (0, 0)))
         if own is not None and own.cursor is not None:
             options.append(CursorChoice(own.cursor, "announcement", (own.inner_step, 0)))
         for candidate in self.local_candidates():

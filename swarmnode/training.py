@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ class Progress:
     """The cursor at this round's start: every batch before it is in the global params (DESIGN §4)."""
     round_cursors: dict[str, dict[str, int]] | None = None
     """The last round's members' cursors after their inner phase (round metadata, DESIGN §4)."""
+    swarm_cursors: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Every node's cursor as far as its batches are in θ_g: the lineage's record of what it holds."""
     last_round: dict[str, Any] | None = None
     """The last round's group, member weights, coverage, seconds and bytes sent."""
 
@@ -161,6 +163,8 @@ class TrainingRun:
         p.round_tokens = 0
         p.committed_cursor = self.loader.state_dict()
         p.round_cursors = round_cursors
+        if averaged.covered:  # a skipped step keeps the round's batches as local progress, not in θ_g
+            p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
@@ -190,6 +194,7 @@ class TrainingRun:
             "cursor": self.loader.state_dict(),
             "committed_cursor": p.committed_cursor,
             "round_cursors": p.round_cursors,
+            "swarm_cursors": p.swarm_cursors,
             "last_round": p.last_round,
             "global_digest": self.trainer.global_digest(),
             "optimizer": self.trainer.state_metadata(),
@@ -234,5 +239,6 @@ class TrainingRun:
         p.round_step = int(meta["round_step"]) if keep_round else 0
         p.round_tokens = int(meta["round_tokens"]) if keep_round else 0
         p.round_cursors = meta.get("round_cursors")
+        p.swarm_cursors = dict(meta.get("swarm_cursors") or {})
         p.committed_cursor = meta.get("committed_cursor") if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)

@@ -220,3 +220,19 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(wanted + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
+    """Every node's ledger replays as one chain (no batch counted twice or skipped, DESIGN §4), and the
+    chain ends where the node's final snapshot says the swarm's model holds its batches."""
+    from swarmnode.ledger import check, read_ledger
+    from swarmnode.snapshot import read_header
+
+    for node in nodes:
+        report = check(read_ledger(node.data_dir))
+        assert not report.errors, f"{node.data_dir.name}: {report.errors}"
+        meta = read_header(newest_snapshot(node.data_dir)).metadata
+        record = meta["swarm_cursors"].get(meta["node_id"])
+        assert record is not None, f"{node.data_dir.name}: no record of itself in its lineage"
+        point = (record["shard"], record["epoch"], record["position"])
+        assert report.end == point, f"{node.data_dir.name}: chain ends at {report.end}, lineage says {point}"

@@ -24,8 +24,9 @@ def processes_mentioning(text: str) -> list[int]:
 
 def test_demo_trains_crashes_recovers_and_cleans_up(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "swarmnode.cli", "demo"], capture_output=True, text=True,
-                         timeout=240, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "demo"], capture_output=True, text=True, timeout=240, env=env
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "held-out loss first → last" in out.stdout
     assert "recovery of node3" in out.stdout and "fetched from 127.0.0.1:" in out.stdout

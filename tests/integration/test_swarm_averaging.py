@@ -12,10 +12,34 @@ from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.model import build_model, preset
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header, read_snapshot
 from swarmnode.recovery import read_receipts
-from swarmtest import NodeProcess, metric_value, node_status, scrape, start_swarm, wait_for
+from swarmtest import (
+    NodeProcess,
+    assert_ledgers_replay,
+    metric_value,
+    node_status,
+    scrape,
+    start_swarm,
+    wait_for,
+)
 
-SWARM = ("--inner-steps", "10", "--hot-every", "1000", "--cold-every", "1", "--keep-cold", "100",
-         "--matchmaking-timeout", "10", "--allreduce-timeout", "20", "--seed", "5", "--run-id", "avg")
+SWARM = (
+    "--inner-steps",
+    "10",
+    "--hot-every",
+    "1000",
+    "--cold-every",
+    "1",
+    "--keep-cold",
+    "100",
+    "--matchmaking-timeout",
+    "10",
+    "--allreduce-timeout",
+    "20",
+    "--seed",
+    "5",
+    "--run-id",
+    "avg",
+)
 
 
 def cold_metadata(node: NodeProcess) -> dict[int, dict]:
@@ -61,7 +85,9 @@ def reference_globals(shards: list[int], rounds: int, inner_steps: int) -> list[
 
 
 def test_two_nodes_fp32_match_a_single_process_reference(tmp_path: Path, reaper) -> None:
-    nodes = start_swarm(reaper, tmp_path, 2, [*SWARM, "--wire-dtype", "fp32", "--max-outer-steps", "3", "--wait-peers", "1"])
+    nodes = start_swarm(
+        reaper, tmp_path, 2, [*SWARM, "--wire-dtype", "fp32", "--max-outer-steps", "3", "--wait-peers", "1"]
+    )
     shards = [n.info["shard"] for n in nodes]
     for node in nodes:
         assert node.wait(120) == 0, node.log()[-3000:]
@@ -103,13 +129,29 @@ def first_round_all_agree(nodes: list[NodeProcess], after: int) -> int | None:
 
 
 def test_a_member_killed_mid_allreduce_costs_a_timeout_not_the_round(tmp_path: Path, reaper) -> None:
-    args = [*SWARM, "--allreduce-timeout", "8", "--wire-dtype", "fp32", "--max-outer-steps", "40",
-            "--wait-peers", "3"]
+    args = [
+        *SWARM,
+        "--allreduce-timeout",
+        "8",
+        "--wire-dtype",
+        "fp32",
+        "--max-outer-steps",
+        "40",
+        "--wait-peers",
+        "3",
+    ]
     nodes = start_swarm(reaper, tmp_path, 4, args, faults=[None, None, None, "kill@allreduce_send#4"])
     victim, survivors = nodes[3], nodes[:3]
     assert victim.wait(120) == -signal.SIGKILL
-    partial = wait_for(lambda: [s for s in map(node_status, survivors) if s["last_coverage"] is not None
-                                and s["last_coverage"] < 1], 60, "the survivors' round with a dead member")
+    partial = wait_for(
+        lambda: [
+            s
+            for s in map(node_status, survivors)
+            if s["last_coverage"] is not None and s["last_coverage"] < 1
+        ],
+        60,
+        "the survivors' round with a dead member",
+    )
     assert partial, "no survivor reported coverage < 1"
     rounds = digests_by_round(survivors)
     for outer, digests in rounds.items():
@@ -124,6 +166,7 @@ def test_a_member_killed_mid_allreduce_costs_a_timeout_not_the_round(tmp_path: P
         node.signal(signal.SIGTERM)
     for node in nodes:
         assert node.wait(60) == 0
+    assert_ledgers_replay(nodes)
 
 
 def test_a_late_joiner_catches_up_and_joins_a_group(tmp_path: Path, reaper) -> None:
@@ -134,13 +177,16 @@ def test_a_late_joiner_catches_up_and_joins_a_group(tmp_path: Path, reaper) -> N
     late = reaper.node(tmp_path / "late", [*args, "--peers", f"127.0.0.1:{seed_dht}"]).start()
     receipt = wait_for(lambda: read_receipts(late.data_dir), 90, "the late joiner's receipt")[0]
     assert receipt["source"] == "peer" and receipt["outer_step"] >= 3
-    wait_for(lambda: len(node_status(late)["last_group"]) == 4, 90, "the late joiner to average in a group of 4")
+    wait_for(
+        lambda: len(node_status(late)["last_group"]) == 4, 90, "the late joiner to average in a group of 4"
+    )
     everyone = [*nodes, late]
     assert wait_for(lambda: first_round_all_agree(everyone, receipt["outer_step"]), 90, "four equal digests")
     for node in everyone:
         node.signal(signal.SIGTERM)
     for node in everyone:
         assert node.wait(60) == 0
+    assert_ledgers_replay(everyone)
 
 
 def test_a_node_whose_global_params_went_astray_repairs_itself(tmp_path: Path, reaper) -> None:
@@ -155,6 +201,7 @@ def test_a_node_whose_global_params_went_astray_repairs_itself(tmp_path: Path, r
         node.signal(signal.SIGTERM)
     for node in nodes:
         assert node.wait(60) == 0
+    assert_ledgers_replay(nodes)
 
 
 def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, float]:
@@ -168,6 +215,7 @@ def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, float]:
         node.signal(signal.SIGTERM)
     for node in nodes:
         assert node.wait(60) == 0
+    assert_ledgers_replay(nodes)
     return loss, sent
 
 
@@ -180,12 +228,30 @@ def test_bf16_and_int8_wire_lose_little_and_send_half_and_a_quarter(tmp_path: Pa
 
 
 def test_a_slow_node_contributes_fewer_tokens_with_a_smaller_weight(tmp_path: Path, reaper) -> None:
-    args = [*SWARM, "--inner-steps", "400", "--inner-seconds", "1.5", "--max-outer-steps", "40",
-            "--wait-peers", "2", "--matchmaking-timeout", "4"]
+    args = [
+        *SWARM,
+        "--inner-steps",
+        "400",
+        "--inner-seconds",
+        "1.5",
+        "--max-outer-steps",
+        "40",
+        "--wait-peers",
+        "2",
+        "--matchmaking-timeout",
+        "4",
+    ]
     nodes = start_swarm(reaper, tmp_path, 3, args, faults=[None, None, "sleep@inner_step=0.1"])
     slow_id = nodes[2].info["node_id"]
-    rounds = wait_for(lambda: [m["last_round"] for o, m in sorted(cold_metadata(nodes[0]).items())
-                               if o >= 2 and len(m["last_round"]["group"]) == 3], 120, "rounds with all three")
+    rounds = wait_for(
+        lambda: [
+            m["last_round"]
+            for o, m in sorted(cold_metadata(nodes[0]).items())
+            if o >= 2 and len(m["last_round"]["group"]) == 3
+        ],
+        120,
+        "rounds with all three",
+    )
     weights = rounds[-1]["weights"]
     fast = [w for node_id, w in weights.items() if node_id != slow_id]
     assert weights[slow_id] < 0.5 * min(fast), weights
@@ -195,3 +261,4 @@ def test_a_slow_node_contributes_fewer_tokens_with_a_smaller_weight(tmp_path: Pa
         node.signal(signal.SIGTERM)
     for node in nodes:
         assert node.wait(60) == 0
+    assert_ledgers_replay(nodes)

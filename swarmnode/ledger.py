@@ -1,0 +1,118 @@
+"""The receipts ledger: which batch ranges of its shard each node put into the swarm's model, per round.
+
+Each node appends to DATA_DIR/ledger.jsonl:
+- `{"event": "round", ...}` before every outer step: the cursor range [start, end) its inner phase
+  trained (the node may die while its pseudo-gradient is on the wire: the range is then pending);
+- `{"event": "settle", ...}` after it: what became of the round: `applied` (averaged in a group),
+  `solo` (applied alone), `carried` (the step was skipped for low coverage: the work stays local
+  progress and rides in the next Δ) or `dropped` (its global params had gone astray: trained again
+  after a repair);
+- `{"event": "adopt", ...}` whenever it takes a state and cursor from elsewhere (a start, a recovery,
+  a repair): the cursor it continues from.
+
+`check` replays a node's ledger as a chain of ranges: every round must start where the chain ends, and
+an adopted cursor must be a point of the chain (the rounds after it are dropped: trained again) or the
+shard's start. A round left pending by a death is settled by the next adopted cursor: the swarm's
+record of the node says whether its last contribution made it into the model. A chain that replays
+proves that no batch of the shard was counted twice or skipped, except the batches of rounds whose
+node died or went astray, which were trained again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LEDGER_FILE = "ledger.jsonl"
+ROUND_STATUSES = ("applied", "solo", "carried", "dropped")
+Point = tuple[int, int, int]
+
+
+def _point(cursor: dict[str, int]) -> Point:
+    return int(cursor["shard"]), int(cursor["epoch"]), int(cursor["position"])
+
+
+class Ledger:
+    """Appends this node's ledger entries (one JSON line each, written at once)."""
+
+    def __init__(self, data_dir: Path, node_id: str) -> None:
+        self.path = data_dir / LEDGER_FILE
+        self.node_id = node_id
+
+    def round(self, outer_step: int, start: dict[str, int], end: dict[str, int]) -> None:
+        self._append({"event": "round", "outer_step": outer_step, "start": start, "end": end})
+
+    def settle(self, outer_step: int, status: str, group_size: int) -> None:
+        assert status in ROUND_STATUSES
+        self._append(
+            {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
+        )
+
+    def adopt(self, cursor: dict[str, int], source: str, outer_step: int) -> None:
+        self._append({"event": "adopt", "cursor": cursor, "source": source, "outer_step": outer_step})
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"node_id": self.node_id, **entry}, sort_keys=True) + "\n")
+
+
+def read_ledger(data_dir: Path) -> list[dict[str, Any]]:
+    path = data_dir / LEDGER_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class LedgerReport:
+    """The replayed chain of one node: ranges that hold, ranges trained again, and any violation."""
+
+    chain: list[tuple[Point, Point]] = field(default_factory=list)
+    retrained: list[tuple[Point, Point]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    anchor: Point | None = None  # the last adopted cursor: where an empty chain starts
+
+    @property
+    def end(self) -> Point | None:
+        return self.chain[-1][1] if self.chain else self.anchor
+
+
+def check(entries: list[dict[str, Any]]) -> LedgerReport:
+    """Replay one node's ledger (see the module docstring)."""
+    report = LedgerReport()
+    for entry in entries:
+        if entry["event"] == "adopt":
+            _adopt(report, _point(entry["cursor"]), entry["source"])
+        elif entry["event"] == "round":
+            _round(report, entry)
+        elif entry["event"] == "settle" and entry["status"] == "dropped" and report.chain:
+            report.retrained.append(report.chain.pop())
+    return report
+
+
+def _adopt(report: LedgerReport, point: Point, source: str) -> None:
+    ends = [end for _, end in report.chain]
+    if point in ends:
+        keep = ends.index(point) + 1
+    elif point[1:] == (0, 0) or point == report.anchor:
+        keep = 0
+    else:
+        report.errors.append(f"adopted cursor {point} ({source}) is no point of the chain {ends[-3:]}")
+        keep = len(report.chain)
+    report.retrained += report.chain[keep:]
+    report.chain = report.chain[:keep]
+    report.anchor = point if keep == 0 else report.anchor
+
+
+def _round(report: LedgerReport, entry: dict[str, Any]) -> None:
+    start, end = _point(entry["start"]), _point(entry["end"])
+    expected = report.end
+    if expected is not None and start != expected:
+        kind = "skipped" if start > expected else "counted twice"
+        report.errors.append(
+            f"round {entry['outer_step']}: starts at {start}, the chain ends at {expected}: batches {kind}"
+        )
+    report.chain.append((start, end))
