@@ -115,6 +115,7 @@ class SpeculativeCheckpointer:
         self._lock = threading.Lock()
         self._snapshots: list[SnapshotInfo] = []
         self._writes = 0
+        self._writes_by_kind: dict[str, int] = {}
         self._logged_failures: set[str] = set()
         self._thread = threading.Thread(target=self._writer_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
@@ -163,8 +164,11 @@ class SpeculativeCheckpointer:
         index = self._writes
         faults.hit("snapshot_write", index)
 
+        self._writes_by_kind[job.kind] = kind_index = self._writes_by_kind.get(job.kind, 0) + 1
+
         def halfway() -> None:
             faults.hit("snapshot_halfway", index)
+            faults.hit(f"{job.kind}_snapshot_halfway", kind_index)
 
         started = time.perf_counter()
         try:

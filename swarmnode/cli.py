@@ -92,11 +92,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return export_command(args.file, args.out, local=args.local)
     if args.command == "status":
-        from swarmnode.rpc import status_command
+        from swarmnode.rpc_client import status_command
 
         return status_command(args.address, as_json=args.json)
     if args.command == "fetch":
-        from swarmnode.rpc import fetch_command
+        from swarmnode.rpc_client import fetch_command
 
         snapshot = None if args.snapshot in ("latest", "") else args.snapshot
         return fetch_command(args.address, snapshot, args.out)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from swarmnode import rpc
+from swarmnode import rpc, rpc_client
 from swarmnode.recovery import read_receipts
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header
 
@@ -98,7 +98,7 @@ class DemoNode:
 
     def status(self) -> rpc.NodeStatus | None:
         try:
-            return asyncio.run(rpc.get_status(self.address(), timeout_s=3.0))
+            return asyncio.run(rpc_client.get_status(self.address(), timeout_s=3.0))
         except (rpc.PeerUnavailable, AssertionError, OSError):
             return None
 

@@ -7,6 +7,7 @@ Tests set `SWARMNODE_FAULTS` on a `swarmnode run` child, e.g.::
     sleep@snapshot_write=2.5    every snapshot write takes 2.5 s longer (a slow disk)
     sleep@inner_step=0.05       every inner step takes 50 ms longer (a slow volunteer)
     stop@allreduce_send#3       SIGSTOP itself at the 3rd hit (a laptop lid closing)
+    skew@clock=180              the process's wall clock runs 180 s ahead (negative: behind)
 
 Grammar: comma-separated `ACTION@POINT[#COUNT][=ARG]`; without `#COUNT` the fault fires at every hit.
 Points count their own hits from 1 unless the caller passes the index (e.g. the inner step). The fault
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate")
+ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,17 @@ def configure(spec: str | None) -> None:
     _hits.clear()
     if _faults:
         logger.warning("fault injection armed: %s", spec)
+    skew = find("skew", "clock")
+    if skew is not None:
+        _skew_wall_clock(skew.arg or 0.0)
+
+
+def _skew_wall_clock(seconds: float) -> None:
+    """A volunteer whose clock is off: every wall-clock read of this process (DHT expiry, deadlines,
+    timestamps) is shifted; monotonic clocks, which asyncio uses, are not (as on a real machine)."""
+    real_time, real_time_ns = time.time, time.time_ns
+    time.time = lambda: real_time() + seconds  # type: ignore[assignment]
+    time.time_ns = lambda: real_time_ns() + int(seconds * 1e9)  # type: ignore[assignment]
 
 
 def hit(point: str, index: int | None = None) -> Fault | None:

@@ -21,9 +21,12 @@ node died or went astray, which were trained again.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.jsonl"
 ROUND_STATUSES = ("applied", "solo", "carried", "dropped")
@@ -40,23 +43,29 @@ class Ledger:
     def __init__(self, data_dir: Path, node_id: str) -> None:
         self.path = data_dir / LEDGER_FILE
         self.node_id = node_id
+        self._failed = False
 
     def round(self, outer_step: int, start: dict[str, int], end: dict[str, int]) -> None:
         self._append({"event": "round", "outer_step": outer_step, "start": start, "end": end})
 
-    def settle(self, outer_step: int, status: str, group_size: int) -> None:
+    def settle(self, outer_step: int, status: str, group_size: int, global_digest: str | None) -> None:
+        """What became of round `outer_step`, and the global params' digest after it (None: unchanged)."""
         assert status in ROUND_STATUSES
-        self._append(
-            {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
-        )
+        entry = {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
+        self._append({**entry, "global_digest": global_digest})
 
     def adopt(self, cursor: dict[str, int], source: str, outer_step: int) -> None:
         self._append({"event": "adopt", "cursor": cursor, "source": source, "outer_step": outer_step})
 
     def _append(self, entry: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"node_id": self.node_id, **entry}, sort_keys=True) + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps({"node_id": self.node_id, **entry}, sort_keys=True) + "\n")
+        except OSError as exc:  # a full disk must not stop training; the gap shows in `check`
+            if not self._failed:
+                logger.error("ledger %s not written (%s); training goes on", self.path, exc)
+            self._failed = True
 
 
 def read_ledger(data_dir: Path) -> list[dict[str, Any]]:
@@ -78,6 +87,15 @@ class LedgerReport:
     @property
     def end(self) -> Point | None:
         return self.chain[-1][1] if self.chain else self.anchor
+
+
+def digests_by_round(entries: list[dict[str, Any]]) -> dict[int, str]:
+    """outer step -> the global digest this node held after that round's outer step."""
+    return {
+        e["outer_step"] + 1: e["global_digest"]
+        for e in entries
+        if e["event"] == "settle" and e.get("global_digest")
+    }
 
 
 def check(entries: list[dict[str, Any]]) -> LedgerReport:

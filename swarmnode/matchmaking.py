@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarmnode.averaging import GroupSpec, Member
 from swarmnode.config import parse_host_port
 from swarmnode.dht import DHTEntry
+from swarmnode.wire import GroupSpec, Member
 
 logger = logging.getLogger(__name__)
 

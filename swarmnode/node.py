@@ -23,9 +23,9 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
-from swarmnode import faults, rpc
+from swarmnode import faults, rpc, rpc_client, rpc_server
 from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
-from swarmnode.averaging import AveragingServicer, GroupSpec, propose_group
+from swarmnode.averaging import propose_group
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.config import ConfigError, NodeConfig
 from swarmnode.data import ShardLoader, load_corpus, shard_for_node
@@ -38,9 +38,11 @@ from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
 from swarmnode.progress import ProgressReporter, ProgressSample
 from swarmnode.recovery import Receipt, Recovery, append_receipt
+from swarmnode.reducer import AveragingServicer
 from swarmnode.rounds import RoundResult, SwarmRounds
 from swarmnode.snapshot import SnapshotInfo, sha256_file
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
+from swarmnode.wire import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -194,43 +196,40 @@ class Node:
     async def _outer_step(self) -> None:
         run = self.run_state
         p = run.progress
-        peers = await self._peer_announcements()
-        # Peers that announced this round or the last are expected to offer (an early end to matchmaking).
-        expected: frozenset[str] | None = frozenset(
-            a.node_id for a in peers if a.outer_step >= p.outer_step - 1
-        )
-        if not self.dht.peer_count():
-            expected = None
+        round_step, delta = p.outer_step, run.trainer.pseudo_gradient()
         assert p.committed_cursor is not None
-        self.ledger.round(p.outer_step, p.committed_cursor, run.loader.state_dict())
+        self.ledger.round(round_step, p.committed_cursor, run.loader.state_dict())
         result = await self.rounds.average(
-            run.trainer.pseudo_gradient(),
+            delta,
             float(p.round_tokens),
-            p.outer_step,
+            round_step,
             run.trainer.global_digest(),
             run.loader.state_dict(),
-            expected,
+            await self._expected_peers(),
         )
         self.last_round = result
-        self._settle_round(result)
         if result.averaged is None:
+            self.ledger.settle(round_step, "dropped", len(result.group), None)
             self._repair_from = result.repair_from
             return
         await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
         if faults.hit("global_params", p.outer_step) is not None:  # test-only: make this node go astray
             run.trainer.global_flat[:16] += 1e-3
             run.trainer.global_changed()
+        status = "carried" if not result.averaged.covered else "applied" if len(result.group) > 1 else "solo"
+        self.ledger.settle(round_step, status, len(result.group), run.trainer.global_digest())
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
 
-    def _settle_round(self, result: RoundResult) -> None:
-        if result.averaged is None:
-            status = "dropped"
-        elif not result.averaged.covered:
-            status = "carried"
-        else:
-            status = "applied" if len(result.group) > 1 else "solo"
-        self.ledger.settle(self.run_state.progress.outer_step, status, len(result.group))
+    async def _expected_peers(self) -> frozenset[str] | None:
+        """Peers that announced this round or the last are expected to offer (matchmaking may end as
+        soon as they have); None when the routing table is empty (nobody to wait for)."""
+        if not self.dht.peer_count():
+            return None
+        outer_step = self.run_state.progress.outer_step
+        return frozenset(
+            a.node_id for a in await self._peer_announcements() if a.outer_step >= outer_step - 1
+        )
 
     # ----- catching up with the swarm -----
 
@@ -425,7 +424,7 @@ class Node:
         (a node keeps training after it announces); returns the id of what was fetched and verified."""
         limit = int(self.run_state.state_bytes() * 1.25) + (4 << 20)
         fetch = functools.partial(
-            rpc.fetch_snapshot, peer.address, target, max_bytes=limit, on_bytes=self.metrics.fetch_bytes.inc
+            rpc_client.fetch_snapshot, peer.address, target, max_bytes=limit, on_bytes=self._count_fetched
         )
         try:
             result = await fetch(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)
@@ -438,6 +437,10 @@ class Node:
     def _write_receipt(self, receipt: Receipt) -> None:
         append_receipt(self.cfg.data_dir, receipt)
         logger.info("restart receipt: %s", receipt.to_json())
+
+    def _count_fetched(self, size: int) -> None:
+        self.metrics.fetch_bytes.inc(size)
+        faults.hit("fetch_chunk")
 
     # ----- services -----
 
@@ -455,7 +458,7 @@ class Node:
             on_proposal=self._on_proposal,
             on_rejected=lambda reason: self.metrics.rpc_rejected.labels(reason).inc(),
         )
-        self.rpc_server = await rpc.start_server(
+        self.rpc_server = await rpc_server.start_server(
             cfg.host,
             cfg.grpc_port,
             self.checkpointer,

@@ -287,9 +287,13 @@ def _header_metadata(path: Path) -> dict[str, Any] | None:
 
 
 def append_receipt(data_dir: Path, receipt: Receipt) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with (data_dir / RECEIPTS_FILE).open("a") as f:
-        f.write(receipt.to_json() + "\n")
+    """Append a receipt; a full disk is logged, never fatal (the log line carries the receipt too)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with (data_dir / RECEIPTS_FILE).open("a") as f:
+            f.write(receipt.to_json() + "\n")
+    except OSError as exc:
+        logger.error("restart receipt not written to %s: %s", data_dir / RECEIPTS_FILE, exc)
 
 
 def read_receipts(data_dir: Path) -> list[dict[str, Any]]:

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmnode.averaging import AveragingServicer, GroupSpec, butterfly_allreduce
+from swarmnode.averaging import butterfly_allreduce
 from swarmnode.diloco import AveragedDelta
 from swarmnode.matchmaking import Matchmaker, Offer
 from swarmnode.metrics import Metrics
+from swarmnode.reducer import AveragingServicer
+from swarmnode.wire import GroupSpec
 
 logger = logging.getLogger(__name__)
 

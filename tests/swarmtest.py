@@ -110,6 +110,22 @@ class NodeProcess:
         wait_for(ready, timeout_s, f"node in {self.data_dir} to start")
         return self.info
 
+    def info_or_none(self) -> dict[str, Any] | None:
+        path = self.data_dir / "node.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def wait_nowait(self) -> int | None:
+        """The exit code if the process has ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP), from /proc."""
+        assert self.proc is not None
+        try:
+            return (Path("/proc") / str(self.proc.pid) / "stat").read_text().split()[2] == "T"
+        except OSError:
+            return False
+
     def _check_alive(self) -> None:
         assert self.proc is not None
         if self.proc.poll() is not None:

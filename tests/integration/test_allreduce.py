@@ -1,6 +1,6 @@
 """Butterfly all-reduce over real gRPC servers on loopback (swarmnode.averaging).
 
-Each member has its own `rpc.start_server` with the averaging service registered, in one process,
+Each member has its own `rpc_server.start_server` with the averaging service registered, in one process,
 except in the kill test, whose victim is this module run as a script:
 `python test_allreduce.py member NODE_ID N_ELEMENTS SEED WEIGHT` starts a server, prints its port,
 reads the group spec as one JSON line on stdin and joins the all-reduce.
@@ -26,9 +26,11 @@ import grpc
 import pytest
 import torch
 
-from swarmnode import averaging, faults, rpc, wire
-from swarmnode.averaging import AllReduceResult, AveragingServicer, GroupSpec, Member
+from swarmnode import averaging, faults, rpc, rpc_server, wire
+from swarmnode.averaging import AllReduceResult
 from swarmnode.proto.v1 import averaging_pb2 as pb
+from swarmnode.reducer import AveragingServicer
+from swarmnode.wire import GroupSpec, Member
 
 pytestmark = pytest.mark.timeout(90)
 LOCALHOST = "127.0.0.1"
@@ -46,7 +48,7 @@ class NoSnapshots:
 @dataclass
 class Node:
     servicer: AveragingServicer
-    server: rpc.RpcServer
+    server: rpc_server.RpcServer
 
     @property
     def address(self) -> str:
@@ -59,7 +61,7 @@ class Node:
 
 async def start_node(node_id: str, on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None) -> Node:
     servicer = AveragingServicer(node_id, on_proposal)
-    server = await rpc.start_server(
+    server = await rpc_server.start_server(
         LOCALHOST,
         0,
         NoSnapshots(),

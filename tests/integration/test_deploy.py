@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import generate_latest
-from swarmtest import free_port, start_swarm, wait_for
 
 from swarmnode.metrics import Metrics
+from swarmtest import free_port, start_swarm, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarmtest import newest_snapshot
 
 from swarmnode.identity import Identity
 from swarmnode.recovery import read_receipts
 from swarmnode.snapshot import read_snapshot
+from swarmtest import newest_snapshot
 
 # Both runs are the same node (one identity key), so they own the same shard and RNG stream.
 RUN_ARGS = (

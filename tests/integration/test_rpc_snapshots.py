@@ -1,4 +1,4 @@
-"""Snapshot serving and fetching over real gRPC sockets on loopback (swarmnode.rpc).
+"""Snapshot serving and fetching over real gRPC sockets on loopback (swarmnode.rpc, rpc_server, rpc_client).
 
 Run as a script (`python test_rpc_snapshots.py serve DIR`), this module is also the server that the
 cross-process test starts: it serves every file in DIR and prints its port.
@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmnode import rpc
+from swarmnode import rpc, rpc_client, rpc_server
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.snapshot import SnapshotInfo
@@ -77,8 +77,8 @@ def node_status() -> rpc.NodeStatus:
 
 
 @asynccontextmanager
-async def serving(infos: list[SnapshotInfo], **kwargs) -> AsyncIterator[tuple[rpc.RpcServer, str]]:
-    server = await rpc.start_server(LOCALHOST, 0, ListCatalog(infos), node_status, **kwargs)
+async def serving(infos: list[SnapshotInfo], **kwargs) -> AsyncIterator[tuple[rpc_server.RpcServer, str]]:
+    server = await rpc_server.start_server(LOCALHOST, 0, ListCatalog(infos), node_status, **kwargs)
     try:
         yield server, f"{LOCALHOST}:{server.port}"
     finally:
@@ -118,10 +118,10 @@ def test_lists_and_fetches_newest_snapshot_byte_identical(tmp_path: Path) -> Non
 
     async def scenario() -> None:
         async with serving([old, new], on_served=served.append) as (_, address):
-            listed = await rpc.list_snapshots(address)
+            listed = await rpc_client.list_snapshots(address)
             assert [m.snapshot_id for m in listed] == [new.snapshot_id, old.snapshot_id]
             assert listed[0] == rpc.SnapshotMeta.from_info(new)
-            result = await rpc.fetch_snapshot(address, dst / "got.snap.zst", on_bytes=received.append)
+            result = await rpc_client.fetch_snapshot(address, dst / "got.snap.zst", on_bytes=received.append)
         assert (result.snapshot_id, result.size_bytes, result.resumes) == (new.snapshot_id, new.size_bytes, 0)
         assert result.metadata == rpc.SnapshotMeta.from_info(new)
 
@@ -137,8 +137,8 @@ def test_fetches_a_snapshot_by_id_and_expected_hash(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with serving([old, new]) as (_, address):
-            await rpc.fetch_snapshot(address, tmp_path / "a", snapshot_id=old.snapshot_id)
-            await rpc.fetch_snapshot(address, tmp_path / "b", expected_sha256=old.snapshot_id)
+            await rpc_client.fetch_snapshot(address, tmp_path / "a", snapshot_id=old.snapshot_id)
+            await rpc_client.fetch_snapshot(address, tmp_path / "b", expected_sha256=old.snapshot_id)
 
     run(scenario)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == old.path.read_bytes()
@@ -149,7 +149,7 @@ def test_empty_snapshot_round_trips(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with serving([empty]) as (_, address):
-            result = await rpc.fetch_snapshot(address, tmp_path / "got")
+            result = await rpc_client.fetch_snapshot(address, tmp_path / "got")
         assert result.size_bytes == 0
 
     run(scenario)
@@ -171,7 +171,7 @@ def test_the_generated_stub_reads_the_served_stream(tmp_path: Path) -> None:
             return [msg async for msg in stream]
 
     messages = asyncio.run(scenario())
-    assert rpc.SnapshotMeta.from_info(snap) == rpc._meta_from_pb(messages[0].meta)
+    assert rpc.SnapshotMeta.from_info(snap) == rpc.meta_from_pb(messages[0].meta)
     assert [m.offset for m in messages] == [5, 5, 5 + MiB, 5 + 2 * MiB]
     assert b"".join(m.data for m in messages) == snap.path.read_bytes()[5:]
 
@@ -185,7 +185,7 @@ def test_resumes_from_offset_after_stream_is_cut_once(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with serving([snap], faults=faults) as (_, address):
-            result = await rpc.fetch_snapshot(address, tmp_path / "got")
+            result = await rpc_client.fetch_snapshot(address, tmp_path / "got")
         assert result.resumes == 1
 
     run(scenario)
@@ -203,15 +203,15 @@ def test_resumes_on_a_new_server_after_the_connection_drops(tmp_path: Path) -> N
         return data
 
     async def scenario() -> None:
-        first = await rpc.start_server(
+        first = await rpc_server.start_server(
             LOCALHOST, 0, ListCatalog([snap]), node_status, faults=rpc.ServeFaults(chunk_filter=hold_at_3mib)
         )
         address = f"{LOCALHOST}:{first.port}"
-        fetch = asyncio.create_task(rpc.fetch_snapshot(address, tmp_path / "got", max_resumes=5))
+        fetch = asyncio.create_task(rpc_client.fetch_snapshot(address, tmp_path / "got", max_resumes=5))
         assert await asyncio.to_thread(reached.wait, 20)
         await first.stop(0)  # the stream breaks with 3 MiB or less delivered
         release.set()
-        second = await rpc.start_server(LOCALHOST, first.port, ListCatalog([snap]), node_status)
+        second = await rpc_server.start_server(LOCALHOST, first.port, ListCatalog([snap]), node_status)
         try:
             result = await fetch
         finally:
@@ -232,7 +232,7 @@ def test_corrupted_bytes_are_refused_as_hash_mismatch_and_leave_no_file(tmp_path
     async def scenario() -> None:
         async with serving([snap], faults=rpc.ServeFaults(chunk_filter=flip_a_byte)) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got")
+                await rpc_client.fetch_snapshot(address, tmp_path / "got")
         assert failure.value.reason == "hash_mismatch"
 
     run(scenario)
@@ -246,7 +246,7 @@ def test_a_peer_that_always_stops_short_is_reported_truncated(tmp_path: Path) ->
     async def scenario() -> None:
         async with serving([snap], faults=rpc.ServeFaults(cut_at_offset=3 * MiB)) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got", max_resumes=2)
+                await rpc_client.fetch_snapshot(address, tmp_path / "got", max_resumes=2)
         assert failure.value.reason == "truncated"
 
     run(scenario)
@@ -268,7 +268,7 @@ def test_a_stalled_stream_is_cut_after_the_chunk_timeout(tmp_path: Path) -> None
             started = time.monotonic()
             try:
                 with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                    await rpc.fetch_snapshot(address, tmp_path / "got", chunk_timeout_s=0.5)
+                    await rpc_client.fetch_snapshot(address, tmp_path / "got", chunk_timeout_s=0.5)
             finally:
                 release.set()
         assert failure.value.reason == "timeout"
@@ -286,8 +286,8 @@ def test_a_snapshot_file_that_shrank_on_disk_ends_the_stream_cleanly(tmp_path: P
     async def scenario() -> None:
         async with serving([snap]) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got", max_resumes=1)
-            assert len(await rpc.list_snapshots(address)) == 1  # the server carries on
+                await rpc_client.fetch_snapshot(address, tmp_path / "got", max_resumes=1)
+            assert len(await rpc_client.list_snapshots(address)) == 1  # the server carries on
         assert failure.value.reason == "truncated"
 
     run(scenario)
@@ -305,7 +305,7 @@ def test_a_snapshot_deleted_mid_stream_is_still_served_whole(tmp_path: Path) -> 
 
     async def scenario() -> None:
         async with serving([snap], faults=rpc.ServeFaults(chunk_filter=delete_at_2mib)) as (_, address):
-            await rpc.fetch_snapshot(address, tmp_path / "got")
+            await rpc_client.fetch_snapshot(address, tmp_path / "got")
 
     run(scenario)
     assert not snap.path.exists() and (tmp_path / "got").read_bytes() == content
@@ -323,7 +323,7 @@ def test_a_cancelled_fetch_leaves_no_file(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with serving([snap], faults=rpc.ServeFaults(chunk_filter=hold_at_2mib)) as (_, address):
-            fetch = asyncio.create_task(rpc.fetch_snapshot(address, tmp_path / "got"))
+            fetch = asyncio.create_task(rpc_client.fetch_snapshot(address, tmp_path / "got"))
             assert await asyncio.to_thread(reached.wait, 20)
             fetch.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -344,7 +344,7 @@ def test_a_snapshot_deleted_from_disk_is_refused_not_found(tmp_path: Path) -> No
     async def scenario() -> None:
         async with serving([snap]) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got")
+                await rpc_client.fetch_snapshot(address, tmp_path / "got")
         assert failure.value.reason == "refused" and "no longer on disk" in failure.value.detail
 
     run(scenario)
@@ -372,10 +372,13 @@ def test_stream_beyond_max_serving_is_refused_while_others_complete(tmp_path: Pa
     async def scenario() -> None:
         faults = rpc.ServeFaults(chunk_filter=hold_first_chunk)
         async with serving([snap], max_serving=2, faults=faults) as (_, address):
-            slow = [asyncio.create_task(rpc.fetch_snapshot(address, tmp_path / f"got{i}")) for i in range(2)]
+            slow = [
+                asyncio.create_task(rpc_client.fetch_snapshot(address, tmp_path / f"got{i}"))
+                for i in range(2)
+            ]
             assert await asyncio.to_thread(both_open.wait, 20)
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got3")
+                await rpc_client.fetch_snapshot(address, tmp_path / "got3")
             gate.set()
             results = await asyncio.gather(*slow)
         assert failure.value.reason == "refused" and "serving 2/2" in failure.value.detail
@@ -402,7 +405,7 @@ def test_unknown_id_and_bad_offset_get_not_found_and_invalid_argument(tmp_path: 
     async def scenario() -> None:
         async with serving([snap]) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got", snapshot_id="ab" * 32)
+                await rpc_client.fetch_snapshot(address, tmp_path / "got", snapshot_id="ab" * 32)
             unknown = await first_message_code(address, pb.FetchSnapshotRequest(snapshot_id="ab" * 32))
             past_end = await first_message_code(
                 address, pb.FetchSnapshotRequest(snapshot_id=snap.snapshot_id, offset=MiB + 1)
@@ -421,7 +424,9 @@ def test_oversized_snapshot_is_refused_before_download(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with serving([snap]) as (_, address):
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got", max_bytes=MiB, on_bytes=received.append)
+                await rpc_client.fetch_snapshot(
+                    address, tmp_path / "got", max_bytes=MiB, on_bytes=received.append
+                )
         assert failure.value.reason == "too_large"
 
     run(scenario)
@@ -437,10 +442,10 @@ def test_a_peer_offering_another_snapshot_than_expected_is_refused(tmp_path: Pat
             return snap
 
     async def scenario() -> None:
-        server = await rpc.start_server(LOCALHOST, 0, LyingCatalog([snap]), node_status)
+        server = await rpc_server.start_server(LOCALHOST, 0, LyingCatalog([snap]), node_status)
         try:
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(
+                await rpc_client.fetch_snapshot(
                     f"{LOCALHOST}:{server.port}", tmp_path / "got", expected_sha256=other
                 )
         finally:
@@ -457,9 +462,9 @@ def test_unreachable_peer_fails_fast(tmp_path: Path) -> None:
     async def scenario() -> None:
         started = time.monotonic()
         with pytest.raises(rpc.SnapshotUnavailable) as fetch_failure:
-            await rpc.fetch_snapshot(address, tmp_path / "got")
+            await rpc_client.fetch_snapshot(address, tmp_path / "got")
         with pytest.raises(rpc.PeerUnavailable) as status_failure:
-            await rpc.get_status(address)
+            await rpc_client.get_status(address)
         assert time.monotonic() - started < 5
         assert fetch_failure.value.reason == status_failure.value.reason == "unreachable"
 
@@ -474,7 +479,7 @@ def test_a_peer_that_accepts_tcp_but_never_speaks_grpc_is_unreachable(tmp_path: 
             silent.listen()
             address = f"{LOCALHOST}:{silent.getsockname()[1]}"
             with pytest.raises(rpc.SnapshotUnavailable) as failure:
-                await rpc.fetch_snapshot(address, tmp_path / "got", chunk_timeout_s=0.5)
+                await rpc_client.fetch_snapshot(address, tmp_path / "got", chunk_timeout_s=0.5)
         assert failure.value.reason == "unreachable"
 
     run(scenario)
@@ -484,9 +489,9 @@ def test_a_peer_that_accepts_tcp_but_never_speaks_grpc_is_unreachable(tmp_path: 
 def test_malformed_address_or_id_is_a_value_error(tmp_path: Path) -> None:
     async def scenario() -> None:
         with pytest.raises(ValueError, match="HOST:PORT"):
-            await rpc.fetch_snapshot("localhost", tmp_path / "got")
+            await rpc_client.fetch_snapshot("localhost", tmp_path / "got")
         with pytest.raises(ValueError, match="sha256"):
-            await rpc.fetch_snapshot(f"{LOCALHOST}:1", tmp_path / "got", snapshot_id="xyz")
+            await rpc_client.fetch_snapshot(f"{LOCALHOST}:1", tmp_path / "got", snapshot_id="xyz")
 
     run(scenario)
     assert list(tmp_path.iterdir()) == []
@@ -523,10 +528,10 @@ def test_status_round_trips_with_served_snapshots_and_health_is_serving(tmp_path
         return reply.status
 
     async def scenario() -> None:
-        server = await rpc.start_server(LOCALHOST, 0, ListCatalog(snaps), lambda: full)
+        server = await rpc_server.start_server(LOCALHOST, 0, ListCatalog(snaps), lambda: full)
         address = f"{LOCALHOST}:{server.port}"
         try:
-            status = await rpc.get_status(address)
+            status = await rpc_client.get_status(address)
             assert await health(address, "") == health_pb2.HealthCheckResponse.SERVING
             assert await health(address, rpc.SNAPSHOT_SERVICE) == health_pb2.HealthCheckResponse.SERVING
         finally:
@@ -540,7 +545,7 @@ def test_status_round_trips_with_served_snapshots_and_health_is_serving(tmp_path
 def test_status_without_optional_fields_round_trips_as_none(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with serving([]) as (_, address):
-            status = await rpc.get_status(address)
+            status = await rpc_client.get_status(address)
         assert status == node_status()
 
     run(scenario)
@@ -575,15 +580,15 @@ def test_fetch_and_status_commands_print_and_return_exit_codes(
 ) -> None:
     snap = write_snapshot(tmp_path, MiB + 1)
     with served_in_thread([snap]) as address:
-        assert rpc.fetch_command(address, "latest", tmp_path / "got") == 0
+        assert rpc_client.fetch_command(address, "latest", tmp_path / "got") == 0
         assert snap.snapshot_id in capsys.readouterr().out
-        assert rpc.status_command(address, as_json=True) == 0
+        assert rpc_client.status_command(address, as_json=True) == 0
         assert '"node_id": "node-a"' in capsys.readouterr().out
-        assert rpc.status_command(address, as_json=False) == 0
+        assert rpc_client.status_command(address, as_json=False) == 0
         assert "outer 3 inner 42" in capsys.readouterr().out
     assert (tmp_path / "got").read_bytes() == snap.path.read_bytes()
-    assert rpc.status_command(f"{LOCALHOST}:{free_port()}", as_json=False) == 1
-    assert rpc.fetch_command("no-port", None, tmp_path / "x") == 2
+    assert rpc_client.status_command(f"{LOCALHOST}:{free_port()}", as_json=False) == 1
+    assert rpc_client.fetch_command("no-port", None, tmp_path / "x") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "unreachable" in err[0] and "HOST:PORT" in err[1]
 
@@ -644,8 +649,8 @@ def test_fetches_from_a_server_in_another_process(
 
     async def scenario() -> None:
         address = f"{LOCALHOST}:{port}"
-        assert [m.snapshot_id for m in await rpc.list_snapshots(address)] == [snap.snapshot_id]
-        result = await rpc.fetch_snapshot(address, tmp_path / "got", expected_sha256=snap.snapshot_id)
+        assert [m.snapshot_id for m in await rpc_client.list_snapshots(address)] == [snap.snapshot_id]
+        result = await rpc_client.fetch_snapshot(address, tmp_path / "got", expected_sha256=snap.snapshot_id)
         assert result.size_bytes == snap.size_bytes
 
     run(scenario)
@@ -655,7 +660,7 @@ def test_fetches_from_a_server_in_another_process(
 async def serve_directory(directory: Path) -> None:
     """Serves every file in `directory` until killed; prints the port on its own line first."""
     infos = [info_for(p, outer_step=n) for n, p in enumerate(sorted(directory.iterdir()), start=1)]
-    server = await rpc.start_server(LOCALHOST, 0, ListCatalog(infos), node_status)
+    server = await rpc_server.start_server(LOCALHOST, 0, ListCatalog(infos), node_status)
     print(server.port, flush=True)
     await asyncio.Event().wait()
 

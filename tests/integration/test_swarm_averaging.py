@@ -10,8 +10,8 @@ import torch
 from swarmnode.data import ShardLoader, default_corpus
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.model import build_model, preset
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header, read_snapshot
 from swarmnode.recovery import read_receipts
+from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header, read_snapshot
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,

@@ -1,0 +1,193 @@
+"""The chaos matrix (issue "Reliability and trust"): a loopback swarm of real `swarmnode run` processes,
+one fault per cell injected at a chosen point through the fault hook, never a timer.
+
+Every cell asserts: the others keep finishing rounds, the faulted node comes back (or is ruled out for
+rounds and rejoins), the global digests agree again within two rounds of its return, and every node's
+ledger replays (no batch counted twice or skipped, except rounds of a dead node, trained again).
+The cells marked `slow` run with `pytest -m slow tests/chaos` (see README "Reliability").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarmnode.ledger import digests_by_round, read_ledger
+from swarmnode.recovery import read_receipts
+from swarmtest import (
+    NodeProcess,
+    assert_ledgers_replay,
+    metric_value,
+    node_status,
+    scrape,
+    start_swarm,
+    wait_for,
+)
+
+SWARM = (
+    "--inner-steps",
+    "10",
+    "--hot-every",
+    "3",
+    "--cold-every",
+    "1",
+    "--matchmaking-timeout",
+    "4",
+    "--allreduce-timeout",
+    "6",
+    "--wait-peers",
+    "2",
+    "--max-outer-steps",
+    "200",
+    "--run-id",
+    "chaos",
+    "--seed",
+    "11",
+)
+SHARDS = [["--shard", str(i)] for i in range(3)]
+
+
+def round_digests(nodes: list[NodeProcess]) -> dict[int, dict[str, str]]:
+    """outer step -> {node: global digest after that step}, from the nodes' ledgers."""
+    rounds: dict[int, dict[str, str]] = {}
+    for node in nodes:
+        for outer, digest in digests_by_round(read_ledger(node.data_dir)).items():
+            rounds.setdefault(outer, {})[node.data_dir.name] = digest
+    return rounds
+
+
+def agreed_round(nodes: list[NodeProcess], after: int) -> int | None:
+    for outer, digests in sorted(round_digests(nodes).items()):
+        if outer > after and len(digests) == len(nodes) and len(set(digests.values())) == 1:
+            return outer
+    return None
+
+
+def survivors_round(nodes: list[NodeProcess]) -> int:
+    return min(max(digests_by_round(read_ledger(n.data_dir)), default=0) for n in nodes)
+
+
+def finish(nodes: list[NodeProcess], returned_at: int) -> None:
+    """The digests agree within two rounds of `returned_at`; stop everyone; the ledgers replay."""
+    agreed = wait_for(lambda: agreed_round(nodes, returned_at), 120, "all digests to agree again")
+    assert agreed <= returned_at + 2, (
+        f"agreed only at round {agreed}, the faulted node was back at {returned_at}"
+    )
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    for node in nodes:
+        assert node.wait(60) == 0, node.log()[-2000:]
+    assert_ledgers_replay(nodes)
+
+
+def kill_cell(tmp_path: Path, reaper, fault: str) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, fault], extra=SHARDS)
+    victim = nodes[2]
+    assert victim.wait(180) == -signal.SIGKILL, victim.log()[-2000:]
+    before = survivors_round(nodes[:2])
+    wait_for(lambda: survivors_round(nodes[:2]) >= before + 1, 60, "the survivors to finish a round")
+    victim.restart()
+    receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 90, "the victim's restart")[-1]
+    finish(nodes, max(receipt["outer_step"], survivors_round(nodes[:2])))
+
+
+def test_sigkill_in_the_inner_phase(tmp_path: Path, reaper) -> None:
+    kill_cell(tmp_path, reaper, "kill@inner_step#25")
+
+
+def test_sigkill_during_a_hot_snapshot_write(tmp_path: Path, reaper) -> None:
+    kill_cell(tmp_path, reaper, "kill@hot_snapshot_halfway#7")
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_cold_snapshot_write(tmp_path: Path, reaper) -> None:
+    kill_cell(tmp_path, reaper, "kill@cold_snapshot_halfway#2")
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_allreduce(tmp_path: Path, reaper) -> None:
+    kill_cell(tmp_path, reaper, "kill@allreduce_send#5")
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_fetcher_and_of_a_server_during_a_snapshot_fetch(tmp_path: Path, reaper) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, extra=SHARDS)
+    wait_for(lambda: survivors_round(nodes) >= 2, 90, "two rounds")
+    victim = nodes[2]
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    shutil.rmtree(victim.data_dir / "snapshots")
+    # the victim's first fetch dies half-way (the fetcher killed) ...
+    victim.restart(faults="kill@fetch_chunk#3")
+    assert victim.wait(120) == -signal.SIGKILL
+    # ... then a server dies half-way through serving it, and the next candidate serves it
+    server = nodes[0]
+    server.signal(signal.SIGKILL)
+    server.wait(10)
+    server.restart(faults="kill@serve_chunk#3")
+    wait_for(lambda: server.info_or_none(), 60, "the server to come back")
+    victim.restart()
+    receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 120, "the victim's recovery")[-1]
+    assert receipt["source"] == "peer"
+    if server.wait_nowait() == -signal.SIGKILL:
+        server.restart()
+    finish(nodes, max(receipt["outer_step"], survivors_round([nodes[1]])))
+
+
+def test_sigstop_longer_than_a_round_then_sigcont(tmp_path: Path, reaper) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, "stop@inner_step#25"], extra=SHARDS)
+    sleeper = nodes[2]
+    wait_for(lambda: sleeper.stopped(), 90, "the node to stop itself")
+    before = survivors_round(nodes[:2])
+    wait_for(lambda: survivors_round(nodes[:2]) >= before + 2, 90, "two rounds without it")
+    sleeper.signal(signal.SIGCONT)
+    back = survivors_round(nodes[:2])
+    wait_for(lambda: node_status(sleeper)["outer_step"] >= back, 90, "the sleeper to catch up")
+    assert node_status(sleeper)["repairs"] >= 1
+    finish(nodes, survivors_round(nodes))
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_survived(tmp_path: Path, reaper) -> None:
+    victim_dir = tmp_path / "n2"
+    (victim_dir / "snapshots").mkdir(parents=True)
+    with tmpfs(victim_dir / "snapshots", "12m"):
+        nodes = start_swarm(reaper, tmp_path, 3, SWARM, extra=SHARDS)
+        victim = nodes[2]
+        wait_for(
+            lambda: (
+                metric_value(scrape(victim), "swarmnode_snapshot_failures_total", 'reason="disk_full"') >= 2
+            ),
+            120,
+            "the disk to fill up",
+        )
+        assert victim.log().count("snapshot write failed (disk_full)") == 1
+        start = survivors_round(nodes)
+        wait_for(lambda: survivors_round(nodes) >= start + 2, 90, "two more rounds on a full disk")
+        finish(nodes, start)
+
+
+def test_a_clock_skewed_by_minutes(tmp_path: Path, reaper) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, "skew@clock=-150"], extra=SHARDS)
+    wait_for(lambda: survivors_round(nodes) >= 3, 120, "three rounds with a skewed clock")
+    groups = [e["group_size"] for e in read_ledger(nodes[2].data_dir) if e["event"] == "settle"]
+    assert 3 in groups, f"the skewed node never averaged with the others: {groups}"
+    finish(nodes, 1)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[None]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
