@@ -48,6 +48,7 @@ from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 
+from swarmnode import clock
 from swarmnode.dht_records import (
     MAX_RECORD_BYTES,
     MAX_SEQ,
@@ -206,7 +207,7 @@ class SwarmProtocol(KademliaProtocol):
             return False
         self.welcome_if_new(source)
         try:
-            entry = decode_and_verify_entry(key, value, time.time())
+            entry = decode_and_verify_entry(key, value, clock.now())
         except EntryRejected as exc:
             if exc.counted:
                 self.report_rejection(exc.reason, sender)
@@ -632,7 +633,7 @@ class SwarmDHT:
         server = self._running()
         dkey = dht_key(key)
         blobs = await server.lookup(dkey)
-        now = time.time()
+        now = clock.now()
         remote = verify_answers(dkey, blobs, now, self._report_rejection)
         merged = merge_entries([*self._storage.entries(dkey), *remote])
         return {sub: to_dht_entry(e) for sub, e in merged.items() if e.expires_at > now}
@@ -648,7 +649,7 @@ class SwarmDHT:
 
     def _next_seq(self) -> int:
         """A seq above every one this process used; time-based so it also rises across restarts."""
-        self._last_seq = min(max(time.time_ns(), self._last_seq + 1), MAX_SEQ)
+        self._last_seq = min(max(clock.now_ns(), self._last_seq + 1), MAX_SEQ)
         return self._last_seq
 
     async def _announce(self, server: _SwarmServer, dkey: bytes) -> bool:
@@ -656,7 +657,7 @@ class SwarmDHT:
         interval = min(self._config.republish_interval_s or math.inf, record.ttl_s / 3)
         record.next_due = time.monotonic() + interval
         entry = sign_entry(
-            self._identity, dkey, record.value_bytes, self._next_seq(), time.time() + record.ttl_s
+            self._identity, dkey, record.value_bytes, self._next_seq(), clock.now() + record.ttl_s
         )
         self._storage.merge(dkey, entry)
         stored = await server.store_remote(dkey, entry)

@@ -32,6 +32,7 @@ from typing import Any, Literal, NoReturn
 from kademlia.storage import IStorage
 from kademlia.utils import digest
 
+from swarmnode import clock as wall_clock
 from swarmnode.identity import NODE_ID_BYTES, Identity, node_id_from_public_key, verify_signature
 
 MAX_RECORD_BYTES = 1200
@@ -246,7 +247,7 @@ class EntryStorage(IStorage):
         max_keys_per_publisher: int = MAX_KEYS_PER_PUBLISHER,
         max_total_keys: int = MAX_TOTAL_KEYS,
         max_total_entries: int = MAX_TOTAL_ENTRIES,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall_clock.now,
     ) -> None:
         self._data: dict[bytes, dict[str, SignedEntry]] = {}
         self._touched: dict[bytes, float] = {}  # monotonic time of each key's last change

@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from swarmnode import clock
+
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew")
@@ -66,16 +68,7 @@ def configure(spec: str | None) -> None:
     if _faults:
         logger.warning("fault injection armed: %s", spec)
     skew = find("skew", "clock")
-    if skew is not None:
-        _skew_wall_clock(skew.arg or 0.0)
-
-
-def _skew_wall_clock(seconds: float) -> None:
-    """A volunteer whose clock is off: every wall-clock read of this process (DHT expiry, deadlines,
-    timestamps) is shifted; monotonic clocks, which asyncio uses, are not (as on a real machine)."""
-    real_time, real_time_ns = time.time, time.time_ns
-    time.time = lambda: real_time() + seconds  # type: ignore[assignment]
-    time.time_ns = lambda: real_time_ns() + int(seconds * 1e9)  # type: ignore[assignment]
+    clock.set_skew(skew.arg or 0.0 if skew is not None else 0.0)
 
 
 def hit(point: str, index: int | None = None) -> Fault | None:

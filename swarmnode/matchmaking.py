@@ -1,8 +1,8 @@
 """Forming a round's averaging group through the DHT (DESIGN.md §3 "Outer step across peers").
 
-A node that finished its inner phase publishes an offer under `swarmnode/<run>/round/<r>`: its address,
-a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params as of the
-round's start, its token weight and its data cursor. It then reads the key until its deadline. The
+A node that finished its inner phase publishes an offer for round r under `swarmnode/<run>/round`:
+its address, a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params
+as of the round's start, its token weight and its data cursor. It then reads the key until its deadline. The
 leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
 freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
 to every member over gRPC, so all members agree on the group and its order. A member accepts the first
@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmnode import clock
 from swarmnode.config import parse_host_port
 from swarmnode.dht import DHTEntry
 from swarmnode.wire import GroupSpec, Member
@@ -33,10 +33,16 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
 PROPOSE_TIMEOUT_S = 3.0
+CLOCK_SKEW_ALLOWANCE_S = 300.0
+"""Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
+expire by its clock) is still seen by the others."""
 
 
-def round_key(run_id: str, outer_step: int) -> str:
-    return f"swarmnode/{run_id}/round/{outer_step}"
+def round_key(run_id: str) -> str:
+    """The run's matchmaking key: each node's current offer, tagged with the round (outer step) it
+    bids for; a new round's offer replaces the last (higher seq), so a node holds one key, not one
+    per round, and a long TTL costs no DHT quota."""
+    return f"swarmnode/{run_id}/round"
 
 
 @dataclass(frozen=True)
@@ -143,27 +149,25 @@ class Matchmaker:
         expected_peers: frozenset[str],
     ) -> Outcome:
         """Publish this node's offer for `outer_step` and settle the round's group."""
-        deadline = time.time() + self.timeout_s
+        deadline = clock.now() + self.timeout_s
         own = Offer(
             self.node_id, self.address, deadline, self.run_digest, global_digest, weight, cursor, outer_step
         )
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
-        key = round_key(self.run_id, outer_step)
+        key = round_key(self.run_id)
         try:
-            # An offer matters only while its round forms: a short TTL keeps per-publisher DHT quotas free.
-            await self.dht.publish(key, own.to_value(), 2 * self.timeout_s + 10.0)
+            await self.dht.publish(key, own.to_value(), 2 * self.timeout_s + CLOCK_SKEW_ALLOWANCE_S)
             return await self._settle(key, own, expected_peers)
         finally:
             self._open_round, self._proposal = None, None
-            self.dht.withdraw(key)
 
     async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
         offers = {own.node_id: own}
         # Stop early once every peer this node expects has offered (0: expect nobody in particular).
         # Stop early once every peer this node expects has offered (none expected: wait the deadline).
-        while time.time() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
+        while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
             offers.update(await self._read_offers(key, own.outer_step))
@@ -224,7 +228,7 @@ class Matchmaker:
 
     async def _follow(self, leader: Offer) -> Outcome:
         assert self._proposal is not None
-        grace = max(leader.deadline - time.time(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
+        grace = max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
         try:
             return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), grace))
         except TimeoutError:

@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
-from swarmnode import faults, rpc, rpc_client, rpc_server
+from swarmnode import clock, faults, rpc, rpc_client, rpc_server
 from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
 from swarmnode.averaging import propose_group
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
@@ -110,7 +110,7 @@ class Node:
             self.metrics,
             on_written=self._on_snapshot_written,
         )
-        self.metrics.track_snapshot_age(self.checkpointer.newest_created_at, time.time)
+        self.metrics.track_snapshot_age(self.checkpointer.newest_created_at, clock.now)
         logger.info(
             "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, "
             "sha256 %s…), shard %d/%d",
@@ -553,7 +553,7 @@ class Node:
             heldout_loss=p.heldout_loss,
             tokens_per_s=round(self.run_state.tokens_per_second, 1),
             peers=self.dht.peer_count(),
-            snapshot_age_s=None if created is None else time.time() - created,
+            snapshot_age_s=None if created is None else clock.now() - created,
             phase=self.phase,
         )
 

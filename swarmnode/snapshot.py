@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 import torch
 import zstandard
+
+from swarmnode import clock
 
 FORMAT = "swarmnode-snapshot"
 FORMAT_VERSION = 1
@@ -250,7 +251,7 @@ def write_snapshot(
     `metadata` must hold outer_step, inner_step, run_id and node_id. `on_halfway` is called once about
     half-way through the tensor data (a fault-injection point for tests).
     """
-    metadata = dict(metadata, kind=kind, layout=layout, created_at=metadata.get("created_at", time.time()))
+    metadata = dict(metadata, kind=kind, layout=layout, created_at=metadata.get("created_at", clock.now()))
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".tmp-{uuid.uuid4().hex}{SUFFIX}.part"
     try:

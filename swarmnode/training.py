@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from swarmnode import faults
+from swarmnode import clock, faults
 from swarmnode.data import Corpus, ShardLoader
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.metrics import Metrics
@@ -198,7 +198,7 @@ class TrainingRun:
             "last_round": p.last_round,
             "global_digest": self.trainer.global_digest(),
             "optimizer": self.trainer.state_metadata(),
-            "created_at": time.time(),
+            "created_at": clock.now(),
         }
 
     def template(self) -> TensorTemplate:
