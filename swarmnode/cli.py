@@ -62,9 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
-    bench.add_argument("name", choices=["snapshot"], help="which benchmark")
+    bench.add_argument(
+        "name", choices=["snapshot", "fetch", "recovery", "allreduce", "train"], help="which benchmark"
+    )
     bench.add_argument("--model", choices=["tiny", "small", "base"], default="small")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
+    bench.add_argument(
+        "--rounds", type=int, help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train)"
+    )
+    bench.add_argument("--nodes", type=int, help="all-reduce processes (allreduce) or DiLoCo workers (train)")
+    bench.add_argument("--steps", type=int, help="timed training steps (train, recovery)")
+    bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train)")
+    bench.add_argument(
+        "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
+    )
     return parser
 
 
@@ -105,9 +116,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo()
     if args.command == "bench":
-        from swarmnode.bench import BENCHES
+        from swarmnode.bench import run_bench
 
-        result = BENCHES[args.name](args.model)
+        result = run_bench(args.name, args.model, vars(args))
         print(result.to_json() if args.json else result.table())
         return 0
     raise AssertionError(args.command)

@@ -172,9 +172,11 @@ class Node:
 
     async def _round_loop(self) -> None:
         while not self._finished():
-            await self._catch_up()
-            self.phase = "inner"
-            await asyncio.to_thread(self._inner_phase)
+            # A repaired node adopted a round the swarm is already training: it joins that round's outer
+            # step at once, with no work of its own (weight 0), rather than trail a round behind forever.
+            if not await self._catch_up():
+                self.phase = "inner"
+                await asyncio.to_thread(self._inner_phase)
             if self._stop.is_set():
                 break
             self.phase = "outer"
@@ -233,7 +235,7 @@ class Node:
 
     # ----- catching up with the swarm -----
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self) -> bool:
         """Before an inner phase: if this node's global params went astray (a digest in the minority) or
         its outer step is behind the swarm's, adopt an up-to-date member's snapshot (a repair)."""
         p = self.run_state.progress
@@ -246,22 +248,22 @@ class Node:
                 a for a in peers if a.node_id in agreeing
             ]
         if not ahead:
-            return
+            return False
         why = (
-            "its global params disagreed with the majority"
+            "its global params disagreed with the swarm's"
             if agreeing
             else (f"it was behind the swarm (outer step {p.outer_step} < {max(a.outer_step for a in ahead)})")
         )
         self.phase = "repairing"
         ahead.sort(key=lambda a: a.freshness, reverse=True)
-        if await self.recovery.repair(ahead) is not None:
-            self.repairs += 1
-            self.ledger.adopt(self.run_state.loader.state_dict(), "repair", p.outer_step)
-            self.metrics.repairs.inc()
-            logger.warning(
-                "repaired: %s; now at outer step %d with the swarm's global params", why, p.outer_step
-            )
-            await asyncio.to_thread(self._snapshot, "hot")
+        if await self.recovery.repair(ahead) is None:
+            return False
+        self.repairs += 1
+        self.ledger.adopt(self.run_state.loader.state_dict(), "repair", p.outer_step)
+        self.metrics.repairs.inc()
+        logger.warning("repaired: %s; now at outer step %d with the swarm's global params", why, p.outer_step)
+        await asyncio.to_thread(self._snapshot, "hot")
+        return True
 
     async def _wait_for_peers_ahead(self, outer_step: int) -> list[Announcement]:
         deadline = time.monotonic() + self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s

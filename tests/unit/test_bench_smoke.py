@@ -1,23 +1,77 @@
-"""`swarmnode bench` runs and emits well-formed JSON (its speed is not asserted: machines are noisy)."""
+"""`swarmnode bench` runs and emits well-formed JSON (its speed is not asserted: machines are noisy).
+
+Each bench runs once with the tiny preset and its size knobs turned down, as a user would run it.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from typing import Any
 
 
-def test_snapshot_bench_emits_json_with_ratios() -> None:
+def run_bench(name: str, *knobs: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "swarmnode.cli", "bench", "snapshot", "--model", "tiny", "--json"],
+        [sys.executable, "-m", "swarmnode.cli", "bench", name, "--model", "tiny", "--json", *knobs],
         capture_output=True,
         text=True,
         timeout=240,
     )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["bench"] == "snapshot" and report["preset"] == "tiny"
-    ratios = {r["name"]: r["value"] for r in report["ratios"]}
-    assert {"stall / memcpy", "planes write / gzip-6 write"} <= set(ratios)
-    assert all(v > 0 for v in ratios.values())
+    assert out.returncode == 0, out.stderr[-4000:]
+    report: dict[str, Any] = json.loads(out.stdout)
+    assert report["bench"] == name and report["preset"] == "tiny"
     assert report["peak_rss_mb"] > 0
+    for figure in report["figures"] + report["ratios"]:
+        assert set(figure) == {"name", "value", "unit", "note"}
+        assert math.isfinite(figure["value"]), figure
+    return report
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float]:
+    values = {r["name"]: r["value"] for r in report["ratios"]}
+    assert all(v > 0 for v in values.values()), values
+    return values
+
+
+def test_snapshot_bench_emits_json_with_ratios() -> None:
+    report = run_bench("snapshot", "--rounds", "3")
+    assert {"stall / memcpy", "planes write / gzip-6 write"} <= set(ratios(report))
+
+
+def test_fetch_bench_compares_grpc_with_raw_tcp() -> None:
+    report = run_bench("fetch", "--rounds", "2")
+    assert {"fetch / raw (same work)", "fetch / raw (receive only)"} <= set(ratios(report))
+
+
+def test_allreduce_bench_reports_each_wire_dtype_against_the_bound() -> None:
+    report = run_bench("allreduce", "--nodes", "3", "--rounds", "1")
+    wanted = {f"all-reduce {dtype} / butterfly bound" for dtype in ("fp32", "bf16", "int8")}
+    assert wanted <= set(ratios(report))
+    coverage = [f["note"] for f in report["figures"] if f["name"].startswith("all-reduce ")]
+    assert all("coverage 1.00" in note for note in coverage), coverage
+
+
+def test_recovery_bench_times_a_kill_and_each_stage() -> None:
+    report = run_bench("recovery", "--steps", "2")
+    assert {"recovery / slowest stage", "recovery / sum of its stages alone"} <= set(ratios(report))
+    names = {f["name"] for f in report["figures"]}
+    assert {"kill → trained again (first inner step)", "recovery (restart receipt)"} <= names
+
+
+def test_train_bench_compares_node_with_bare_loop_and_diloco_with_dp() -> None:
+    report = run_bench("train", "--steps", "4", "--nodes", "2", "--inner-steps", "3", "--rounds", "2")
+    wanted = {"node / bare loop tokens/s", "DiLoCo loss / sync DP loss", "sync DP bytes / DiLoCo bytes"}
+    assert wanted <= set(ratios(report))
+
+
+def test_a_knob_the_bench_does_not_take_is_a_usage_error() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "bench", "fetch", "--model", "tiny", "--nodes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--nodes" in out.stderr and len(out.stderr.strip().splitlines()) == 1

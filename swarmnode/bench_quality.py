@@ -1,0 +1,101 @@
+"""DiLoCo vs synchronous data parallel on the default corpus with the `tiny` preset, simulated in one
+process (part of `swarmnode bench train`).
+
+DiLoCo: W `DilocoTrainer`s, worker k on shard k of W, H inner AdamW steps each, then the plain mean of
+their pseudo-gradients as every worker's outer step (Nesterov, the paper's defaults). Synchronous DP: one
+model whose every AdamW step takes the W workers' batches together (the mean loss over the global batch:
+the average of the workers' gradients, as an all-reduce every step would give), H·R steps, so both see the
+same global batch and the same tokens. Bytes communicated per worker: DiLoCo 2 × params × 4 bytes (fp32)
+per outer step, DP the same per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from swarmnode.bench import BenchResult
+from swarmnode.data import Batch, Corpus, ShardLoader, default_corpus
+from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.model import build_model, count_parameters, preset
+
+PRESET = "tiny"
+BATCH_SIZE = 8
+SEQ_LEN = 128
+HELDOUT_BATCHES = 16
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class QualityRun:
+    workers: int
+    inner_steps: int
+    outer_steps: int
+
+
+def add_quality(result: BenchResult, run: QualityRun) -> None:
+    """Adds the held-out losses and bytes of DiLoCo and of synchronous DP, and their ratios."""
+    corpus = default_corpus()
+    heldout = _loader(corpus, 0, run.workers).heldout_batches(HELDOUT_BATCHES)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is as fast, and immune to other load's stalls
+    try:
+        started = time.perf_counter()
+        diloco_loss, params = _diloco(corpus, heldout, run)
+        diloco_s = time.perf_counter() - started
+        dp_loss = _data_parallel(corpus, heldout, run)
+        dp_s = time.perf_counter() - started - diloco_s
+    finally:
+        torch.set_num_threads(threads)
+    per_exchange = 2 * params * FP32_BYTES * run.workers
+    diloco_bytes = per_exchange * run.outer_steps
+    dp_bytes = per_exchange * run.outer_steps * run.inner_steps
+    tokens = run.workers * run.inner_steps * run.outer_steps * BATCH_SIZE * SEQ_LEN
+    setup = f"{run.workers} workers, H={run.inner_steps}, {run.outer_steps} outer steps, {tokens} tokens"
+    label = f"quality ({PRESET}):"
+    result.add(f"{label} DiLoCo held-out loss", diloco_loss, "nats", f"{setup}; {diloco_s:.0f} s")
+    result.add(f"{label} sync DP held-out loss", dp_loss, "nats", f"same tokens; {dp_s:.0f} s")
+    result.add(f"{label} DiLoCo bytes communicated", diloco_bytes / 1e6, "MB", "fp32, all workers")
+    result.add(f"{label} sync DP bytes communicated", dp_bytes / 1e6, "MB", "fp32, all workers")
+    result.ratio("DiLoCo loss / sync DP loss", diloco_loss / dp_loss, "target ≤ 1.02")
+    result.ratio("sync DP bytes / DiLoCo bytes", dp_bytes / diloco_bytes, "target ≥ 100")
+
+
+def _loader(corpus: Corpus, shard: int, workers: int) -> ShardLoader:
+    return ShardLoader(corpus, shard, workers, BATCH_SIZE, SEQ_LEN, seed=0)
+
+
+def _trainer(corpus: Corpus) -> DilocoTrainer:
+    """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
+    model = build_model(preset(PRESET, corpus.vocab_size), 0, torch.device("cpu"))
+    return DilocoTrainer(model, DilocoConfig(), torch.device("cpu"))
+
+
+def _diloco(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> tuple[float, int]:
+    """Held-out loss of θ_g after the outer steps, and the parameter count."""
+    trainers = [_trainer(corpus) for _ in range(run.workers)]
+    loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
+    for _ in range(run.outer_steps):
+        for trainer, loader in zip(trainers, loaders, strict=True):
+            for _ in range(run.inner_steps):
+                trainer.inner_step(loader.next_batch())
+        deltas = torch.stack([t.pseudo_gradient().clone() for t in trainers])
+        mean = deltas.mean(dim=0)
+        averaged = AveragedDelta(mean, ((0, mean.numel()),), run.workers)
+        for trainer in trainers:
+            trainer.outer_step(averaged)
+    return trainers[0].evaluate(heldout), count_parameters(trainers[0].model)
+
+
+def _data_parallel(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> float:
+    """Held-out loss of one model trained on the workers' batches together, H·R steps."""
+    trainer = _trainer(corpus)
+    loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
+    for _ in range(run.outer_steps * run.inner_steps):
+        batches = [loader.next_batch() for loader in loaders]
+        inputs = torch.cat([b.inputs for b in batches])
+        targets = torch.cat([b.targets for b in batches])
+        trainer.inner_step(Batch(inputs, targets, batches[0].epoch, batches[0].position))
+    return trainer.evaluate(heldout, use_global=False)
