@@ -58,6 +58,15 @@ def _record_peak_rss(pid: int) -> None:
             _peak_rss_mb["largest child"] = max(_peak_rss_mb["largest child"], mb)
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSON-lines file that a child may be appending to ([] if none yet)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
 def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
     """A port that is free on 127.0.0.1 now (for a child that others must know before it listens)."""
     with socket.socket(socket.AF_INET, kind) as s:

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from swarmnode.bench import BenchResult, load_note
-from swarmnode.bench_procs import Node, wait_until
+from swarmnode.bench_procs import Node, json_lines, wait_until
 from swarmnode.bench_quality import QualityRun, add_quality
 from swarmnode.data import ShardLoader, default_corpus
-from swarmnode.ledger import read_ledger
+from swarmnode.ledger import LEDGER_FILE
 from swarmnode.model import build_model, configure_determinism, preset
-from swarmnode.recovery import read_receipts
+from swarmnode.recovery import RECEIPTS_FILE
 
 BATCH_SIZE = 8
 SEQ_LEN = 128
@@ -96,11 +96,12 @@ def node_seconds(preset_name: str, steps: int, threads: int) -> float:
                 raise node.fail("the node exited")
             return bool(read)
 
-        wait_until(lambda: has(read_receipts(node.data_dir)), TIMEOUT_S, "the node's first inner step")
+        receipts = node.data_dir / RECEIPTS_FILE
+        wait_until(lambda: has(json_lines(receipts)), TIMEOUT_S, "the node's first inner step")
         started = time.perf_counter()
         wait_until(lambda: has(_rounds(node.data_dir)), TIMEOUT_S, "the node's inner phase to end")
         return time.perf_counter() - started
 
 
 def _rounds(data_dir: Path) -> list[dict[str, object]]:
-    return [e for e in read_ledger(data_dir) if e.get("event") == "round"]
+    return [e for e in json_lines(data_dir / LEDGER_FILE) if e.get("event") == "round"]

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train)"
     )
     bench.add_argument("--nodes", type=int, help="all-reduce processes (allreduce) or DiLoCo workers (train)")
-    bench.add_argument("--steps", type=int, help="timed training steps (train, recovery)")
+    bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
     bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train)")
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
@@ -171,6 +171,8 @@ def setup_logging(log_format: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("SWARMNODE_LOG_LEVEL", "INFO").upper())
+    for name in filter(None, os.environ.get("SWARMNODE_LOG_DEBUG", "").split(",")):
+        logging.getLogger(name.strip()).setLevel(logging.DEBUG)  # e.g. swarmnode.matchmaking
     # A peer that does not answer a UDP request in time is routine in a swarm; rpcudp logs it as ERROR.
     logging.getLogger("rpcudp").setLevel(logging.CRITICAL)
     for noisy in ("kademlia", "asyncio"):

@@ -544,6 +544,7 @@ class SwarmDHT:
                 self._identity.node_id_hex,
                 bootstrap,
             )
+        if bootstrap:
             self._tasks.append(asyncio.create_task(self._rejoin_loop(bootstrap), name="dht-rejoin"))
         logger.info("DHT node %s on %s:%d", self._identity.node_id_hex, self._config.host, self.port)
 
@@ -555,11 +556,14 @@ class SwarmDHT:
             await server.bootstrap(addrs)
 
     async def _rejoin_loop(self, bootstrap: Sequence[str]) -> None:
-        """Peers started at the same moment (a compose swarm) may not listen yet: keep knocking."""
-        while not self.peer_count():
+        """Whenever the routing table is empty — peers that did not listen yet (a compose swarm starting
+        at once), or a partition that made every contact time out — knock on the bootstrap peers again."""
+        while True:
             await asyncio.sleep(REJOIN_INTERVAL_S)
-            await self._join(bootstrap)
-        logger.info("DHT node %s joined through %s", self._identity.node_id_hex, bootstrap)
+            if not self.peer_count():
+                await self._join(bootstrap)
+                if self.peer_count():
+                    logger.info("DHT node %s (re)joined through %s", self._identity.node_id_hex, bootstrap)
 
     async def wait_for_peers(self, timeout_s: float) -> bool:
         """True once the routing table holds a node, False if `timeout_s` passes first."""

@@ -5,8 +5,8 @@ Each node appends to DATA_DIR/ledger.jsonl:
   trained (the node may die while its pseudo-gradient is on the wire: the range is then pending);
 - `{"event": "settle", ...}` after it: what became of the round: `applied` (averaged in a group),
   `solo` (applied alone), `carried` (the step was skipped for low coverage: the work stays local
-  progress and rides in the next Δ) or `dropped` (its global params had gone astray: trained again
-  after a repair);
+  progress and rides in the next Δ), `held` (no group: not applied, and the next round's range
+  covers it again) or `dropped` (its global params had gone astray: trained again after a repair);
 - `{"event": "adopt", ...}` whenever it takes a state and cursor from elsewhere (a start, a recovery,
   a repair): the cursor it continues from.
 
@@ -29,7 +29,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.jsonl"
-ROUND_STATUSES = ("applied", "solo", "carried", "dropped")
+ROUND_STATUSES = ("applied", "solo", "carried", "held", "dropped")
 Point = tuple[int, int, int]
 
 
@@ -106,9 +106,16 @@ def check(entries: list[dict[str, Any]]) -> LedgerReport:
             _adopt(report, _point(entry["cursor"]), entry["source"])
         elif entry["event"] == "round":
             _round(report, entry)
-        elif entry["event"] == "settle" and entry["status"] == "dropped" and report.chain:
-            report.retrained.append(report.chain.pop())
+        elif entry["event"] == "settle" and report.chain:
+            _settle(report, entry["status"])
     return report
+
+
+def _settle(report: LedgerReport, status: str) -> None:
+    if status == "dropped":  # trained again after the repair
+        report.retrained.append(report.chain.pop())
+    elif status == "held":  # still local progress: the next round's range covers it again
+        report.chain.pop()
 
 
 def _adopt(report: LedgerReport, point: Point, source: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -157,7 +158,14 @@ class Matchmaker:
         self._proposal = asyncio.get_running_loop().create_future()
         key = round_key(self.run_id)
         try:
+            started = time.monotonic()
             await self.dht.publish(key, own.to_value(), 2 * self.timeout_s + CLOCK_SKEW_ALLOWANCE_S)
+            logger.debug(
+                "round %d: offer published in %.2f s; expecting %s",
+                outer_step,
+                time.monotonic() - started,
+                sorted(p[:8] for p in expected_peers),
+            )
             return await self._settle(key, own, expected_peers)
         finally:
             self._open_round, self._proposal = None, None
@@ -190,6 +198,12 @@ class Matchmaker:
         return offers
 
     async def _decide(self, own: Offer, offers: list[Offer]) -> Outcome:
+        logger.debug(
+            "round %d: deciding on %d offers: %s",
+            own.outer_step,
+            len(offers),
+            sorted(o.node_id[:8] for o in offers),
+        )
         reference = swarm_digest(offers)
         members = [o for o in offers if o.global_digest == reference]
         if own.global_digest != reference:

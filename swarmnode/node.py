@@ -208,8 +208,12 @@ class Node:
             run.trainer.global_digest(),
             run.loader.state_dict(),
             await self._expected_peers(),
+            in_swarm=len(p.swarm_cursors.keys() - {self.node_id}) > 0,
         )
         self.last_round = result
+        if result.held:
+            self.ledger.settle(round_step, "held", 1, None)
+            return
         if result.averaged is None:
             self.ledger.settle(round_step, "dropped", len(result.group), None)
             self._repair_from = result.repair_from
@@ -316,6 +320,8 @@ class Node:
             await self.dht.publish(snapshots_key(self.cfg.run_id), announcement.to_value(), ANNOUNCE_TTL_S)
         except ValueError as exc:  # a record over the size cap is a bug, but must not stop training
             logger.error("announcement of %s refused locally: %s", info.snapshot_id[:12], exc)
+        except (OSError, AttributeError, RuntimeError) as exc:  # the DHT socket closed under a late task
+            logger.debug("announcement of %s not sent: %s", info.snapshot_id[:12], exc)
 
     async def _flush_announcement(self) -> None:
         task = self._announce_task

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from swarmnode.wire import GroupSpec
 
 logger = logging.getLogger(__name__)
 
+HOLD_ROUNDS = 3
+"""Rounds a swarm member holds its outer step without a group before it goes on alone."""
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -39,6 +43,7 @@ class RoundResult:
     repair_from: tuple[Offer, ...] = ()
     note: str = ""
     weights: dict[str, float] = field(default_factory=dict)  # members' token weights
+    held: bool = False  # no group: the outer step is held (not applied, round counter unchanged)
 
     def info(self) -> dict[str, object]:
         """The round as it is kept in snapshot metadata."""
@@ -65,6 +70,7 @@ class SwarmRounds:
     ) -> None:
         self.matchmaker, self.servicer, self.node_id = matchmaker, servicer, node_id
         self.min_coverage, self.metrics = min_coverage, metrics
+        self._held = 0
 
     async def average(
         self,
@@ -74,10 +80,15 @@ class SwarmRounds:
         global_digest: str,
         cursor: dict[str, int],
         expected_peers: frozenset[str] | None,
+        in_swarm: bool,
     ) -> RoundResult:
+        """`expected_peers` None: nobody in the routing table. `in_swarm`: this node's lineage holds
+        other nodes' work, so rounds without them are held rather than applied alone (see `_alone`)."""
         started = time.perf_counter()
-        if expected_peers is None:  # no peer in the routing table: nobody to wait for
-            return self._solo(delta, weight, cursor, started, "no peer known")
+        if expected_peers is None:
+            if in_swarm:  # nobody to ask: don't race ahead of a swarm that may only be out of reach
+                await asyncio.sleep(self.matchmaker.timeout_s)
+            return self._alone(delta, weight, outer_step, cursor, started, "no peer known", in_swarm)
         outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
         if outcome.repair_from:
             self.metrics.round_failures.labels("digest_mismatch").inc()
@@ -86,10 +97,39 @@ class SwarmRounds:
             )
             return RoundResult(None, repair_from=outcome.repair_from, note=outcome.reason)
         if outcome.group is None:
-            self.metrics.round_failures.labels("no_partners").inc()
-            logger.info("round %d: %s; going on alone", outer_step, outcome.reason)
-            return self._solo(delta, weight, cursor, started, outcome.reason)
+            return self._alone(delta, weight, outer_step, cursor, started, outcome.reason, in_swarm)
+        self._held = 0
         return await self._allreduce(outcome.group, delta, weight, started)
+
+    def _alone(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        outer_step: int,
+        cursor: dict[str, int],
+        started: float,
+        reason: str,
+        in_swarm: bool,
+    ) -> RoundResult:
+        """No group this round. A member of a swarm first holds its outer step for up to HOLD_ROUNDS
+        rounds — its work stays local progress, its round counter stays with the swarm's — since a
+        node applying steps alone forks the swarm's model and must later repair (its work then
+        trained again); after that, or in a swarm of one, it goes on alone."""
+        self.metrics.round_failures.labels("no_partners").inc()
+        seconds = time.perf_counter() - started
+        if in_swarm and self._held < HOLD_ROUNDS:
+            self._held += 1
+            logger.warning(
+                "round %d: %s; holding the outer step (%d of %d) until the swarm is back",
+                outer_step,
+                reason,
+                self._held,
+                HOLD_ROUNDS,
+            )
+            held = AveragedDelta(delta, (), 1)
+            return RoundResult(held, (self.node_id,), {}, 0.0, seconds, note=reason, held=True)
+        logger.info("round %d: %s; going on alone", outer_step, reason)
+        return self._solo(delta, weight, cursor, started, reason)
 
     def _solo(
         self, delta: torch.Tensor, weight: float, cursor: dict[str, int], started: float, note: str

@@ -67,7 +67,9 @@ class NodeProcess:
         args: Sequence[str],
         faults: str | None = None,
         env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NAME]: run the node in a namespace
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.args = [*TINY_ARGS, "--data-dir", str(self.data_dir), *args]
@@ -87,9 +89,9 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         (self.data_dir / "node.json").unlink(missing_ok=True)
-        log = self.log_path.open("wb")
+        log = self.log_path.open("ab")  # restarts append to the same log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmnode.cli", "run", *self.args],
+            [*self.prefix, sys.executable, "-m", "swarmnode.cli", "run", *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -153,7 +155,7 @@ class NodeProcess:
 
     @property
     def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.info['grpc_port']}"
+        return f"{self.info['host']}:{self.info['grpc_port']}"
 
 
 class ProcessReaper:
@@ -168,8 +170,9 @@ class ProcessReaper:
         args: Sequence[str],
         faults: str | None = None,
         env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> NodeProcess:
-        node = NodeProcess(data_dir, args, faults, env)
+        node = NodeProcess(data_dir, args, faults, env, prefix)
         self.nodes.append(node)
         return node
 
@@ -225,7 +228,8 @@ def node_status(node: NodeProcess) -> dict[str, Any]:
 def scrape(node: NodeProcess) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics", timeout=10) as r:
+    url = f"http://{node.info['host']}:{node.info['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
 
 

@@ -9,6 +9,7 @@ The cells marked `slow` run with `pytest -m slow tests/chaos` (see README "Relia
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmnode import rpc, rpc_client
 from swarmnode.ledger import digests_by_round, read_ledger
 from swarmnode.recovery import read_receipts
 from swarmtest import (
@@ -33,7 +35,7 @@ from swarmtest import (
 
 SWARM = (
     "--inner-steps",
-    "10",
+    "30",  # long enough for a repaired node to join the round it adopted
     "--hot-every",
     "3",
     "--cold-every",
@@ -117,28 +119,37 @@ def test_sigkill_during_an_allreduce(tmp_path: Path, reaper) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_of_a_fetcher_and_of_a_server_during_a_snapshot_fetch(tmp_path: Path, reaper) -> None:
+def test_sigkill_of_a_fetcher_during_a_snapshot_fetch(tmp_path: Path, reaper) -> None:
     nodes = start_swarm(reaper, tmp_path, 3, SWARM, extra=SHARDS)
     wait_for(lambda: survivors_round(nodes) >= 2, 90, "two rounds")
     victim = nodes[2]
     victim.signal(signal.SIGKILL)
     victim.wait(10)
     shutil.rmtree(victim.data_dir / "snapshots")
-    # the victim's first fetch dies half-way (the fetcher killed) ...
-    victim.restart(faults="kill@fetch_chunk#3")
+    victim.restart(faults="kill@fetch_chunk#3")  # dies with its recovery download half done
     assert victim.wait(120) == -signal.SIGKILL
-    # ... then a server dies half-way through serving it, and the next candidate serves it
-    server = nodes[0]
-    server.signal(signal.SIGKILL)
-    server.wait(10)
-    server.restart(faults="kill@serve_chunk#3")
-    wait_for(lambda: server.info_or_none(), 60, "the server to come back")
+    assert not list((victim.data_dir / "snapshots").rglob("*.snap.zst")), "a half download was kept"
     victim.restart()
     receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 120, "the victim's recovery")[-1]
     assert receipt["source"] == "peer"
-    if server.wait_nowait() == -signal.SIGKILL:
-        server.restart()
-    finish(nodes, max(receipt["outer_step"], survivors_round([nodes[1]])))
+    finish(nodes, max(receipt["outer_step"], survivors_round(nodes[:2])))
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_server_during_a_snapshot_fetch(tmp_path: Path, reaper) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, "kill@serve_chunk#3"], extra=SHARDS)
+    server = nodes[2]
+    wait_for(lambda: survivors_round(nodes) >= 2, 90, "two rounds")
+    address = server.grpc_address
+    with pytest.raises(rpc.PeerUnavailable):  # the server dies half-way through the stream
+        asyncio.run(rpc_client.fetch_snapshot(address, tmp_path / "a.snap.zst", chunk_timeout_s=10))
+    assert server.wait(30) == -signal.SIGKILL
+    assert not (tmp_path / "a.snap.zst").exists()
+    result = asyncio.run(rpc_client.fetch_snapshot(nodes[0].grpc_address, tmp_path / "b.snap.zst"))
+    assert result.size_bytes > 0  # the next candidate serves it
+    server.restart()
+    receipt = wait_for(lambda: read_receipts(server.data_dir)[1:], 120, "the server's restart")[-1]
+    finish(nodes, max(receipt["outer_step"], survivors_round(nodes[:2])))
 
 
 def test_sigstop_longer_than_a_round_then_sigcont(tmp_path: Path, reaper) -> None:
@@ -180,6 +191,60 @@ def test_a_clock_skewed_by_minutes(tmp_path: Path, reaper) -> None:
     groups = [e["group_size"] for e in read_ledger(nodes[2].data_dir) if e["event"] == "settle"]
     assert 3 in groups, f"the skewed node never averaged with the others: {groups}"
     finish(nodes, 1)
+
+
+@pytest.mark.slow
+def test_a_network_partition_of_one_node(tmp_path: Path, reaper, monkeypatch) -> None:
+    monkeypatch.setenv("SWARMNODE_LOG_DEBUG", "swarmnode.matchmaking")
+    with veth_namespace() as (host_ip, ns_ip, namespace, link):
+        host_args = [*SWARM, "--host", host_ip]
+        seed = reaper.node(tmp_path / "n0", [*host_args, *SHARDS[0]]).start()
+        peers = ["--peers", f"{host_ip}:{seed.wait_ready()['dht_port']}"]
+        second = reaper.node(tmp_path / "n1", [*host_args, *SHARDS[1], *peers]).start()
+        isolated = reaper.node(
+            tmp_path / "n2",
+            [*SWARM, "--host", ns_ip, *SHARDS[2], *peers],
+            prefix=["ip", "netns", "exec", namespace],
+        ).start()
+        nodes = [seed, second, isolated]
+        for node in nodes:
+            node.wait_ready()
+        wait_for(lambda: survivors_round(nodes) >= 2, 90, "two rounds of all three")
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)  # the partition
+        cut_at = survivors_round(nodes[:2])
+        wait_for(lambda: survivors_round(nodes[:2]) >= cut_at + 2, 90, "two rounds of the majority side")
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+        healed_at = survivors_round(nodes[:2])
+        wait_for(lambda: node_status(isolated)["repairs"] >= 1, 90, "the isolated node to repair itself")
+        finish(nodes, healed_at)
+
+
+@contextlib.contextmanager
+def veth_namespace() -> Iterator[tuple[str, str, str, str]]:
+    """A network namespace joined to the host by a veth pair (host 10.231.N.1, namespace 10.231.N.2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a partition needs root and iproute2 (ip netns)")
+    n = os.getpid() % 250
+    namespace, host_if, ns_if = f"snchaos{n}", f"snh{n}", f"snn{n}"
+    host_ip, ns_ip = f"10.231.{n}.1", f"10.231.{n}.2"
+    steps = [
+        ["ip", "netns", "add", namespace],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", namespace],
+        ["ip", "addr", "add", f"{host_ip}/24", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"],
+        ["ip", "netns", "exec", namespace, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if],
+        ["ip", "netns", "exec", namespace, "ip", "link", "set", ns_if, "up"],
+    ]
+    try:
+        for step in steps:
+            if subprocess.run(step, capture_output=True).returncode != 0:
+                pytest.skip(f"network namespaces unavailable here ({' '.join(step)} failed)")
+        yield host_ip, ns_ip, namespace, host_if
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
 @contextlib.contextmanager
