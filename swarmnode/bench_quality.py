@@ -1,22 +1,24 @@
-"""DiLoCo vs synchronous data parallel on the default corpus with the `tiny` preset, simulated in one
-process (part of `swarmnode bench train`).
+"""DiLoCo vs synchronous data parallel on the default corpus with the `tiny` preset, simulated without
+a network (part of `swarmnode bench train`): each side trains in one worker process, the two at once.
 
 DiLoCo: W `DilocoTrainer`s, worker k on shard k of W, H inner AdamW steps each, then the plain mean of
 their pseudo-gradients as every worker's outer step (Nesterov, the paper's defaults). Synchronous DP: one
 model whose every AdamW step takes the W workers' batches together (the mean loss over the global batch:
 the average of the workers' gradients, as an all-reduce every step would give), H·R steps, so both see the
 same global batch and the same tokens. Bytes communicated per worker: DiLoCo 2 × params × 4 bytes (fp32)
-per outer step, DP the same per step.
+per outer step, DP the same per step; so DP sends H times as many.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from swarmnode.bench import BenchResult
+from swarmnode.bench_procs import Worker
 from swarmnode.data import Batch, Corpus, ShardLoader, default_corpus
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.model import build_model, count_parameters, preset
@@ -26,6 +28,7 @@ BATCH_SIZE = 8
 SEQ_LEN = 128
 HELDOUT_BATCHES = 16
 FP32_BYTES = 4
+TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -35,32 +38,40 @@ class QualityRun:
     outer_steps: int
 
 
-def add_quality(result: BenchResult, run: QualityRun) -> None:
-    """Adds the held-out losses and bytes of DiLoCo and of synchronous DP, and their ratios."""
-    corpus = default_corpus()
-    heldout = _loader(corpus, 0, run.workers).heldout_batches(HELDOUT_BATCHES)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is as fast, and immune to other load's stalls
-    try:
-        started = time.perf_counter()
-        diloco_loss, params = _diloco(corpus, heldout, run)
-        diloco_s = time.perf_counter() - started
-        dp_loss = _data_parallel(corpus, heldout, run)
-        dp_s = time.perf_counter() - started - diloco_s
-    finally:
-        torch.set_num_threads(threads)
-    per_exchange = 2 * params * FP32_BYTES * run.workers
+def add_quality(result: BenchResult, run: QualityRun, log_dir: Path) -> None:
+    """Adds the held-out losses and bytes of DiLoCo and of synchronous DP, and their ratios. The two
+    train at once, each in a worker process with one torch thread (tiny tensors: one thread is as
+    fast as two, and immune to the stalls other load causes in a two-thread fork/join)."""
+    request = {"workers": run.workers, "inner_steps": run.inner_steps, "outer_steps": run.outer_steps}
+    with Worker(log_dir, "quality", "diloco") as diloco, Worker(log_dir, "quality", "dp") as dp:
+        for side in (diloco, dp):
+            side.read(TIMEOUT_S)  # started
+            side.send(request)
+        d, p = diloco.read(TIMEOUT_S), dp.read(TIMEOUT_S)
+    per_exchange = 2 * d["params"] * FP32_BYTES * run.workers
     diloco_bytes = per_exchange * run.outer_steps
     dp_bytes = per_exchange * run.outer_steps * run.inner_steps
     tokens = run.workers * run.inner_steps * run.outer_steps * BATCH_SIZE * SEQ_LEN
     setup = f"{run.workers} workers, H={run.inner_steps}, {run.outer_steps} outer steps, {tokens} tokens"
     label = f"quality ({PRESET}):"
-    result.add(f"{label} DiLoCo held-out loss", diloco_loss, "nats", f"{setup}; {diloco_s:.0f} s")
-    result.add(f"{label} sync DP held-out loss", dp_loss, "nats", f"same tokens; {dp_s:.0f} s")
+    result.add(f"{label} DiLoCo held-out loss", d["loss"], "nats", f"{setup}; {d['seconds']:.0f} s")
+    result.add(f"{label} sync DP held-out loss", p["loss"], "nats", f"same tokens; {p['seconds']:.0f} s")
     result.add(f"{label} DiLoCo bytes communicated", diloco_bytes / 1e6, "MB", "fp32, all workers")
     result.add(f"{label} sync DP bytes communicated", dp_bytes / 1e6, "MB", "fp32, all workers")
-    result.ratio("DiLoCo loss / sync DP loss", diloco_loss / dp_loss, "target ≤ 1.02")
+    result.ratio("DiLoCo loss / sync DP loss", d["loss"] / p["loss"], "target ≤ 1.02")
     result.ratio("sync DP bytes / DiLoCo bytes", dp_bytes / diloco_bytes, "target ≥ 100")
+
+
+def train_side(side: str, run: QualityRun) -> dict[str, float]:
+    """Trains one side ("diloco" or "dp") with one torch thread; its held-out loss, params, seconds."""
+    torch.set_num_threads(1)
+    corpus = default_corpus()
+    heldout = _loader(corpus, 0, run.workers).heldout_batches(HELDOUT_BATCHES)
+    started = time.perf_counter()
+    trainer = _diloco(corpus, run) if side == "diloco" else _data_parallel(corpus, run)
+    loss = trainer.evaluate(heldout, use_global=side == "diloco")
+    params = count_parameters(trainer.model)
+    return {"loss": loss, "params": params, "seconds": time.perf_counter() - started}
 
 
 def _loader(corpus: Corpus, shard: int, workers: int) -> ShardLoader:
@@ -73,8 +84,8 @@ def _trainer(corpus: Corpus) -> DilocoTrainer:
     return DilocoTrainer(model, DilocoConfig(), torch.device("cpu"))
 
 
-def _diloco(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> tuple[float, int]:
-    """Held-out loss of θ_g after the outer steps, and the parameter count."""
+def _diloco(corpus: Corpus, run: QualityRun) -> DilocoTrainer:
+    """Worker 0 after the outer steps (every worker then holds the same θ_g)."""
     trainers = [_trainer(corpus) for _ in range(run.workers)]
     loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
     for _ in range(run.outer_steps):
@@ -86,11 +97,11 @@ def _diloco(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> tuple[floa
         averaged = AveragedDelta(mean, ((0, mean.numel()),), run.workers)
         for trainer in trainers:
             trainer.outer_step(averaged)
-    return trainers[0].evaluate(heldout), count_parameters(trainers[0].model)
+    return trainers[0]
 
 
-def _data_parallel(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> float:
-    """Held-out loss of one model trained on the workers' batches together, H·R steps."""
+def _data_parallel(corpus: Corpus, run: QualityRun) -> DilocoTrainer:
+    """One model trained on the workers' batches together, H·R steps (its local θ is the model)."""
     trainer = _trainer(corpus)
     loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
     for _ in range(run.outer_steps * run.inner_steps):
@@ -98,4 +109,4 @@ def _data_parallel(corpus: Corpus, heldout: list[Batch], run: QualityRun) -> flo
         inputs = torch.cat([b.inputs for b in batches])
         targets = torch.cat([b.targets for b in batches])
         trainer.inner_step(Batch(inputs, targets, batches[0].epoch, batches[0].position))
-    return trainer.evaluate(heldout, use_global=False)
+    return trainer

@@ -52,7 +52,8 @@ def bench_train(
     result.add("bare training loop tokens/s", tokens / bare_s, "tok/s", load_note())
     result.ratio("node / bare loop tokens/s", bare_s / node_s, "target ≥ 0.97")
     if quality:
-        add_quality(result, QualityRun(nodes, inner_steps, rounds))
+        with tempfile.TemporaryDirectory() as tmp:
+            add_quality(result, QualityRun(nodes, inner_steps, rounds), Path(tmp))
     return result
 
 

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("address", metavar="HOST:GRPC_PORT")
     fetch.add_argument("--snapshot", default="latest", metavar="ID|latest")
     fetch.add_argument("--out", required=True, type=Path, metavar="FILE")
+    for client in (status, fetch):
+        _add_client_security(client)
     inspect = sub.add_parser("inspect", help="metadata, tensor table and hash check of a snapshot file")
     inspect.add_argument("file", type=Path)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -79,6 +81,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--swarm-token", metavar="TOKEN", help="the swarm's token, if it has one; env SWARMNODE_SWARM_TOKEN"
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, metavar="FILE", help="client certificate (PEM); env SWARMNODE_TLS_CERT"
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="client key (PEM); env SWARMNODE_TLS_KEY"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="CA that signed the node's certificate; env SWARMNODE_TLS_CA",
+    )
+
+
+def _configure_client(args: argparse.Namespace) -> None:
+    """The `status`/`fetch` commands speak to a node with the swarm's token and TLS, if it has them."""
+    from swarmnode import rpc
+    from swarmnode.security import Security
+
+    def value(name: str) -> Any:
+        given = getattr(args, name)
+        env = os.environ.get("SWARMNODE_" + name.upper())
+        return given if given is not None else (Path(env) if env and name.startswith("tls") else env)
+
+    try:
+        security = Security.from_files(
+            value("swarm_token"), value("tls_cert"), value("tls_key"), value("tls_ca")
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    rpc.configure_client(security)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -102,6 +141,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from swarmnode.inspection import export_command
 
         return export_command(args.file, args.out, local=args.local)
+    if args.command in ("status", "fetch"):
+        _configure_client(args)
     if args.command == "status":
         from swarmnode.rpc_client import status_command
 

@@ -40,6 +40,7 @@ from swarmnode.progress import ProgressReporter, ProgressSample
 from swarmnode.recovery import Receipt, Recovery, append_receipt
 from swarmnode.reducer import AveragingServicer
 from swarmnode.rounds import RoundResult, SwarmRounds
+from swarmnode.security import Security
 from swarmnode.snapshot import SnapshotInfo, sha256_file
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.wire import GroupSpec
@@ -99,6 +100,9 @@ class Node:
             cfg.model, model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus.digest
         )
         identity = RunIdentity(cfg.run_id, self.node_id, digest, corpus.digest, cfg.model)
+        self.security = Security.from_files(cfg.swarm_token, cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        rpc.configure_client(self.security)
+        self.dht_run = self.security.dht_namespace(cfg.run_id)  # the run's name in DHT keys
         self.run_state = TrainingRun(
             model_cfg, diloco, loader, corpus, identity, cfg.seed, device, self.metrics
         )
@@ -317,7 +321,7 @@ class Node:
             info.cursor,
         )
         try:
-            await self.dht.publish(snapshots_key(self.cfg.run_id), announcement.to_value(), ANNOUNCE_TTL_S)
+            await self.dht.publish(snapshots_key(self.dht_run), announcement.to_value(), ANNOUNCE_TTL_S)
         except ValueError as exc:  # a record over the size cap is a bug, but must not stop training
             logger.error("announcement of %s refused locally: %s", info.snapshot_id[:12], exc)
         except (OSError, AttributeError, RuntimeError) as exc:  # the DHT socket closed under a late task
@@ -393,7 +397,7 @@ class Node:
 
     async def _lookup_announcements(self) -> tuple[list[Announcement], Announcement | None]:
         """Peers' announcements of this run, and this node's own last one (for its cursor)."""
-        entries = await self.dht.get(snapshots_key(self.cfg.run_id))
+        entries = await self.dht.get(snapshots_key(self.dht_run))
         peers: list[Announcement] = []
         own = None
         for node_id, entry in entries.items():
@@ -475,6 +479,8 @@ class Node:
             on_served=self._on_served,
             extra_servicers=[self.averaging.register],
             faults=_serve_faults(),
+            security=self.security,
+            on_rejected=lambda reason: self.metrics.rpc_rejected.labels(reason).inc(),
         )
         services.push_async_callback(self.rpc_server.stop, 1.0)
         self.ports.grpc = self.rpc_server.port
@@ -491,7 +497,7 @@ class Node:
             self.dht,
             self.node_id,
             f"{cfg.advertised_host}:{self.ports.grpc}",
-            cfg.run_id,
+            self.dht_run,
             self.run_state.identity.run_digest,
             cfg.wire_dtype,
             cfg.matchmaking_timeout_s,

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import grpc
 
 from swarmnode.proto.v1 import snapshot_pb2 as pb
+from swarmnode.security import CredentialsInterceptor, Security
 from swarmnode.snapshot import SnapshotInfo
 
 CHUNK_BYTES = 1 << 20
@@ -213,7 +214,24 @@ def _check_address(address: str) -> str:
     return address
 
 
+_client_security = Security()
+
+
+def configure_client(security: Security) -> None:
+    """The TLS credentials and swarm token every outgoing call of this process uses (one node, one
+    identity: set once at start, before any call)."""
+    global _client_security
+    _client_security = security
+
+
 def open_channel(address: str) -> grpc.aio.Channel:
-    """A client channel to a peer's HOST:PORT with the swarm's message limits and keepalive (other
-    services' clients use it too). Raises ValueError for a malformed address."""
-    return grpc.aio.insecure_channel(_check_address(address), options=_CLIENT_OPTIONS)
+    """A client channel to a peer's HOST:PORT with the swarm's message limits, keepalive, TLS and token
+    (other services' clients use it too). Raises ValueError for a malformed address."""
+    target = _check_address(address)
+    security = _client_security
+    needs_metadata = security.token is not None or security.tls_key is not None
+    interceptors = [CredentialsInterceptor(security)] if needs_metadata else None
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=_CLIENT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=_CLIENT_OPTIONS, interceptors=interceptors)

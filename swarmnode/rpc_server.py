@@ -39,6 +39,7 @@ from swarmnode.rpc import (
     meta_to_pb,
     status_to_pb,
 )
+from swarmnode.security import Security, ServerGuard
 from swarmnode.snapshot import SnapshotInfo
 
 logger = logging.getLogger(__name__)
@@ -235,21 +236,27 @@ async def start_server(
     on_served: Callable[[str], None] | None = None,
     extra_servicers: Sequence[Callable[[grpc.aio.Server], None]] = (),
     faults: ServeFaults | None = None,
+    security: Security | None = None,
+    on_rejected: Callable[[str], None] | None = None,
 ) -> RpcServer:
     """Starts `SnapshotService` and the standard health service (plus `extra_servicers`, each given
     the server to register on) on host:port (port 0: a free one). At most `max_serving` snapshot
     streams run at once; `on_served(id)` is called after each stream that reached a file's end.
-    Raises OSError if the address cannot be bound."""
+    With `security`, it serves TLS and/or refuses calls without the swarm token or a client
+    certificate (`on_rejected("unauthenticated")` counts them). Raises OSError if the address cannot
+    be bound."""
     if max_serving < 1:
         raise ValueError(f"max_serving must be at least 1, got {max_serving}")
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or Security()
+    guard = [ServerGuard(security, on_rejected)] if security.token or security.tls else None
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=guard)
     servicer = _SnapshotServicer(catalog, status, max_serving, on_served, faults or ServeFaults())
     _register_snapshot_service(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for register in extra_servicers:
         register(server)
-    bound = _bind(server, host, port)
+    bound = _bind(server, host, port, security.server_credentials())
     await server.start()
     await health.set(SNAPSHOT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC server listening on %s:%d", host, bound)
@@ -281,10 +288,13 @@ def _register_snapshot_service(servicer: _SnapshotServicer, server: grpc.aio.Ser
     server.add_registered_method_handlers(SNAPSHOT_SERVICE, handlers)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise OSError(f"cannot listen for gRPC on {address}: {exc}") from exc
     if bound == 0:

@@ -1,0 +1,264 @@
+"""Who may talk to a node: optional TLS for gRPC, client certificates, and a swarm token on every RPC.
+
+- `--swarm-token`: every RPC must carry it (metadata `x-swarmnode-token`); a call without it, or with
+  another, ends UNAUTHENTICATED before any handler runs. It is compared in constant time and never
+  logged, echoed or exported. It also namespaces the run's DHT keys (`dht_namespace`), so a node without
+  it cannot even find the swarm's records.
+- `--tls-cert/--tls-key`: the node serves gRPC over TLS with that certificate, and uses it as a client.
+- `--tls-ca`: the CA that signs the swarm's certificates. Clients verify a node's certificate against
+  it (certificates need the advertised host, name or IP, among their subject alternative names), and a
+  node requires every caller to present a certificate it signed. gRPC Python can only require client
+  certificates inside the TLS handshake, where a refusal reaches the caller as UNAVAILABLE; so callers
+  prove their certificate per call instead: the DER certificate plus a signature, with its key, over
+  the call's method and time (`x-swarmnode-cert-bin`, `x-swarmnode-proof-bin`, `x-swarmnode-time`).
+  A call without a valid proof ends UNAUTHENTICATED. Over TLS nobody but the server sees a proof, and
+  it names one method within a few minutes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+TOKEN_HEADER = "x-swarmnode-token"
+CERT_HEADER = "x-swarmnode-cert-bin"
+PROOF_HEADER = "x-swarmnode-proof-bin"
+TIME_HEADER = "x-swarmnode-time"
+PROOF_WINDOW_S = 300.0
+_REFUSAL = "this swarm requires credentials the call did not carry"
+
+
+@dataclass(frozen=True)
+class Security:
+    """A node's transport security; the default is none (plain gRPC, no token)."""
+
+    token: str | None = field(default=None, repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
+    tls_key: bytes | None = field(default=None, repr=False)
+    tls_ca: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_files(cls, token: str | None, cert: Path | None, key: Path | None, ca: Path | None) -> Security:
+        """Read the PEM files; ValueError naming the flag when one cannot be read."""
+        return cls(token, _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca"))
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None or self.tls_ca is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        # Client certificates are checked per call by `ServerGuard` (see the module docstring).
+        return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.tls_ca, private_key=self.tls_key, certificate_chain=self.tls_cert
+        )
+
+    def call_metadata(self, method: str) -> list[tuple[str, str | bytes]]:
+        """What an outgoing call to `method` carries: the token and, with a certificate, its proof."""
+        metadata: list[tuple[str, str | bytes]] = [(TOKEN_HEADER, self.token)] if self.token else []
+        if self.tls_cert is not None and self.tls_key is not None:
+            metadata += _certificate_proof(self.tls_cert, self.tls_key, method)
+        return metadata
+
+    def dht_namespace(self, run_id: str) -> str:
+        """The run's name in DHT keys: with a token, one that only token holders can compute."""
+        if not self.token:
+            return run_id
+        tag = hmac.new(self.token.encode(), run_id.encode(), hashlib.sha256).hexdigest()[:16]
+        return f"{run_id}.{tag}"
+
+
+def _read(path: Path | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc.strerror}") from None
+
+
+def _certificate_proof(cert_pem: bytes, key_pem: bytes, method: str) -> list[tuple[str, str | bytes]]:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    stamp = f"{time.time():.3f}"
+    proof = _sign(key, f"{stamp}|{method}".encode())
+    return [
+        (CERT_HEADER, cert.public_bytes(serialization.Encoding.DER)),
+        (PROOF_HEADER, proof),
+        (TIME_HEADER, stamp),
+    ]
+
+
+def _sign(key: Any, message: bytes) -> bytes:
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return key.sign(message, ec.ECDSA(hashes.SHA256()))
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(message, padding.PKCS1v15(), hashes.SHA256())
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(message)
+    raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+
+
+def _verify(public_key: Any, signature: bytes, message: bytes) -> None:
+    if isinstance(public_key, ec.EllipticCurvePublicKey):
+        public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+    elif isinstance(public_key, rsa.RSAPublicKey):
+        public_key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+    elif isinstance(public_key, ed25519.Ed25519PublicKey):
+        public_key.verify(signature, message)
+    else:
+        raise InvalidSignature("unsupported key type")
+
+
+class CertificateCheck:
+    """Verifies a caller's per-call certificate proof against the swarm's CA."""
+
+    def __init__(self, ca_pem: bytes) -> None:
+        self._cas = x509.load_pem_x509_certificates(ca_pem)
+
+    def verify(self, metadata: dict[str, Any], method: str) -> bool:
+        try:
+            cert = x509.load_der_x509_certificate(metadata[CERT_HEADER])
+            stamp = metadata[TIME_HEADER]
+            if abs(time.time() - float(stamp)) > PROOF_WINDOW_S or not self._issued_by_ca(cert):
+                return False
+            _verify(cert.public_key(), metadata[PROOF_HEADER], f"{stamp}|{method}".encode())
+        except (KeyError, ValueError, TypeError, InvalidSignature):
+            return False
+        return True
+
+    def _issued_by_ca(self, cert: x509.Certificate) -> bool:
+        now = datetime.datetime.now(datetime.UTC)
+        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+            return False
+        for ca in self._cas:
+            try:
+                cert.verify_directly_issued_by(ca)
+                return True
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+        return False
+
+
+class CredentialsInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds the swarm token and the certificate proof to every outgoing call."""
+
+    def __init__(self, security: Security) -> None:
+        self._security = security
+
+    def _with_credentials(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._security.call_metadata(method))
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_credentials(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_credentials(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_credentials(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_credentials(details), request_iterator)
+
+
+class ServerGuard(grpc.aio.ServerInterceptor):
+    """Ends every call that lacks the swarm token (or, with a CA, a client certificate) UNAUTHENTICATED,
+    before its handler runs; `on_reject` counts it."""
+
+    def __init__(self, security: Security, on_reject: Callable[[str], None] | None = None) -> None:
+        self._token = security.token.encode() if security.token else None
+        self._certificates = CertificateCheck(security.tls_ca) if security.tls_ca is not None else None
+        self._on_reject = on_reject
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or self._admits(details):
+            return handler
+        if self._on_reject is not None:
+            self._on_reject("unauthenticated")
+        return _guarded(handler, _refuse)
+
+    def _admits(self, details: grpc.HandlerCallDetails) -> bool:
+        metadata = dict(details.invocation_metadata or ())
+        if self._token is not None:
+            given = metadata.get(TOKEN_HEADER)
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self._token):
+                return False
+        return self._certificates is None or self._certificates.verify(metadata, details.method)
+
+
+async def _refuse(context: Any) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+
+
+Check = Callable[[Any], Awaitable[None]]
+
+
+def _guarded(handler: Any, check: Check) -> Any:
+    """The same kind of handler, running `check(context)` first."""
+    kinds = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for kind, make in kinds.items():
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            wrapped = _streaming(behaviour, check) if kind.endswith("stream") else _unary(behaviour, check)
+            return make(
+                wrapped,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+def _unary(behaviour: Callable[..., Any], check: Check) -> Callable[..., Awaitable[Any]]:
+    async def guarded(request: Any, context: Any) -> Any:
+        await check(context)
+        return await behaviour(request, context)
+
+    return guarded
+
+
+def _streaming(behaviour: Callable[..., Any], check: Check) -> Callable[..., AsyncIterator[Any]]:
+    async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
+        await check(context)
+        result = behaviour(request, context)
+        if inspect.isasyncgen(result):
+            async for item in result:
+                yield item
+        else:  # a handler that writes through the context
+            await result
+
+    return guarded

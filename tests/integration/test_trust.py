@@ -1,0 +1,239 @@
+"""Trust: a swarm token on every RPC, mutual TLS, and a secret that never leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from swarmnode import rpc, rpc_client
+from swarmnode.proto.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmnode.proto.v1 import snapshot_pb2 as pb
+from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
+from swarmnode.security import Security
+from swarmtest import node_status, scrape, start_swarm, wait_for
+
+TOKEN = "correct-horse-battery-staple-7f3a"
+ARGS = (
+    "--inner-steps",
+    "20",
+    "--hot-every",
+    "5",
+    "--cold-every",
+    "1",
+    "--run-id",
+    "trust",
+    "--max-outer-steps",
+    "200",
+)
+
+
+def _key_and_name(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Name]:
+    return ec.generate_private_key(ec.SECP256R1()), x509.Name(
+        [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
+
+
+def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[bytes, bytes]:
+    return cert.public_bytes(serialization.Encoding.PEM), key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key, name = _key_and_name(common_name)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def make_leaf(
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], common_name: str
+) -> tuple[bytes, bytes]:
+    key, name = _key_and_name(common_name)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(ca[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .sign(ca[1], hashes.SHA256())
+    )
+    return _pem(cert, key)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pki")
+    ca = make_ca("swarm test CA")
+    files = {"ca": root / "ca.pem"}
+    files["ca"].write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
+    for name in ("node", "client"):
+        cert, key = make_leaf(ca, name)
+        (root / f"{name}.pem").write_bytes(cert)
+        (root / f"{name}.key").write_bytes(key)
+        files[name], files[f"{name}_key"] = root / f"{name}.pem", root / f"{name}.key"
+    return files
+
+
+def secure_args(pki: dict[str, Path]) -> list[str]:
+    return [
+        "--swarm-token",
+        TOKEN,
+        "--tls-cert",
+        str(pki["node"]),
+        "--tls-key",
+        str(pki["node_key"]),
+        "--tls-ca",
+        str(pki["ca"]),
+    ]
+
+
+def client(pki: dict[str, Path], token: str | None = TOKEN, cert: bool = True) -> Security:
+    return Security.from_files(
+        token, pki["client"] if cert else None, pki["client_key"] if cert else None, pki["ca"]
+    )
+
+
+async def call_everything(address: str) -> dict[str, grpc.StatusCode]:
+    """Every RPC of a node, with whatever credentials `rpc.configure_client` set: name -> status code."""
+    codes: dict[str, grpc.StatusCode] = {}
+
+    async def attempt(name: str, call) -> None:
+        try:
+            await call
+            codes[name] = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            codes[name] = exc.code()
+
+    async with rpc.open_channel(address) as channel:
+        snapshots = pb_grpc.SnapshotServiceStub(channel)
+        await attempt("GetStatus", snapshots.GetStatus(pb.GetStatusRequest(), timeout=10))
+        await attempt("ListSnapshots", snapshots.ListSnapshots(pb.ListSnapshotsRequest(), timeout=10))
+        stream = snapshots.FetchSnapshot(pb.FetchSnapshotRequest(snapshot_id="latest"), timeout=10)
+        await attempt("FetchSnapshot", stream.read())
+        health = health_pb2_grpc.HealthStub(channel)
+        await attempt("Health", health.Check(health_pb2.HealthCheckRequest(), timeout=10))
+        averaging = averaging_pb2_grpc.AveragingServiceStub(channel)
+        await attempt("Propose", averaging.Propose(averaging_pb2.GroupProposal(), timeout=10))
+    return codes
+
+
+def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, reaper, pki) -> None:
+    (node,) = start_swarm(reaper, tmp_path, 1, [*ARGS, *secure_args(pki)])
+    address = f"localhost:{node.info['grpc_port']}"
+    wait_for(lambda: (tmp_path / "n0" / "snapshots").exists(), 30, "a snapshot dir")
+
+    rpc.configure_client(client(pki))
+    try:
+        allowed = asyncio.run(call_everything(address))
+        assert allowed["GetStatus"] == allowed["ListSnapshots"] == allowed["Health"] == grpc.StatusCode.OK
+        for label, security in (
+            ("no token", client(pki, token=None)),
+            ("wrong token", client(pki, token="x")),
+            ("no client certificate", client(pki, cert=False)),
+        ):
+            rpc.configure_client(security)
+            codes = asyncio.run(call_everything(address))
+            assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (label, codes)
+        rpc.configure_client(client(pki, token=None))
+        with pytest.raises(rpc.PeerUnavailable) as refused:
+            asyncio.run(rpc_client.fetch_snapshot(address, tmp_path / "x.snap.zst"))
+        assert refused.value.reason == "refused" and TOKEN not in str(refused.value)
+        assert not (tmp_path / "x.snap.zst").exists()
+    finally:
+        rpc.configure_client(Security())
+    text = scrape_tls(node)
+    assert 'swarmnode_rpc_rejected_total{reason="unauthenticated"}' in text
+    assert TOKEN not in text
+    node.signal(signal.SIGTERM)
+    assert node.wait(60) == 0
+    assert TOKEN not in node.log()
+
+
+def scrape_tls(node) -> str:
+    return scrape(node)  # metrics stay plain HTTP on their own port; the token must not show there either
+
+
+def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
+    tmp_path: Path, reaper, pki
+) -> None:
+    args = [
+        *ARGS,
+        *secure_args(pki),
+        "--host",
+        "127.0.0.1",
+        "--advertise-host",
+        "localhost",
+        "--wait-peers",
+        "1",
+        "--matchmaking-timeout",
+        "5",
+    ]
+    nodes = start_swarm(reaper, tmp_path, 2, args)
+    wait_for(
+        lambda: all(len(node_status_secure(n, pki)["last_group"]) == 2 for n in nodes),
+        90,
+        "the two TLS nodes to average together",
+    )
+    dht_port = nodes[0].info["dht_port"]
+    stranger = reaper.node(
+        tmp_path / "stranger", [*ARGS, "--peers", f"127.0.0.1:{dht_port}", "--tls-ca", str(pki["ca"])]
+    ).start()
+    stranger.wait_ready()
+    wait_for(lambda: "no snapshot to resume from" in stranger.log(), 60, "the stranger to start alone")
+    assert "recovered from peer" not in stranger.log()
+    for node in [*nodes, stranger]:
+        node.signal(signal.SIGTERM)
+    for node in [*nodes, stranger]:
+        assert node.wait(60) == 0
+        assert TOKEN not in node.log()
+
+
+def node_status_secure(node, pki) -> dict:
+    rpc.configure_client(client(pki))
+    try:
+        status = asyncio.run(rpc_client.get_status(f"localhost:{node.info['grpc_port']}"))
+    finally:
+        rpc.configure_client(Security())
+    return {"last_group": status.last_group}
+
+
+def test_status_command_takes_the_token_from_the_environment(
+    tmp_path: Path, reaper, pki, monkeypatch
+) -> None:
+    (node,) = start_swarm(reaper, tmp_path, 1, [*ARGS, "--swarm-token", TOKEN])
+    monkeypatch.setenv("SWARMNODE_SWARM_TOKEN", TOKEN)
+    assert node_status(node)["node_id"] == node.info["node_id"]
+    monkeypatch.setenv("SWARMNODE_SWARM_TOKEN", "wrong")
+    with pytest.raises(AssertionError, match="refused"):
+        node_status(node)
