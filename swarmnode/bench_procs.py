@@ -58,6 +58,13 @@ def _record_peak_rss(pid: int) -> None:
             _peak_rss_mb["largest child"] = max(_peak_rss_mb["largest child"], mb)
 
 
+def _child_env() -> dict[str, str]:
+    """This environment without SWARMNODE_* settings: a volunteer's own (--peers, --data-dir, a token…)
+    must not reach a bench's nodes, which would then join their real swarm or write into their data."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMNODE_")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """The complete lines of a JSON-lines file that a child may be appending to ([] if none yet)."""
     try:
@@ -108,7 +115,7 @@ class _Child:
                 stderr=log,
                 text=True,
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=_child_env(),
             )
 
     def alive(self) -> bool:

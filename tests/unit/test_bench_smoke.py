@@ -61,7 +61,7 @@ def test_recovery_bench_times_a_kill_and_each_stage() -> None:
 
 
 def test_train_bench_compares_node_with_bare_loop_and_diloco_with_dp() -> None:
-    report = run_bench("train", "--steps", "4", "--nodes", "2", "--inner-steps", "3", "--rounds", "2")
+    report = run_bench("train", "--steps", "10", "--nodes", "2", "--inner-steps", "3", "--rounds", "2")
     wanted = {"node / bare loop tokens/s", "DiLoCo loss / sync DP loss", "sync DP bytes / DiLoCo bytes"}
     assert wanted <= set(ratios(report))
 
