@@ -272,6 +272,23 @@ class SwarmProtocol(KademliaProtocol):
             if not any(ok for ok, _ in results):
                 return  # gone again
 
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        """rpcudp decodes every datagram in a fire-and-forget task, and garbage (or a request with the
+        wrong arguments) raises there; here each one is handled in an owned task that counts it."""
+        self._spawn(self._solve_safely(data, addr))
+
+    async def _solve_safely(self, data: bytes, addr: tuple[str, int]) -> None:
+        try:
+            await self._solve_datagram(data, addr)
+        except Exception:  # noqa: BLE001 - a peer's garbage must never reach the event loop
+            self.report_rejection("malformed", addr)
+
+    async def _accept_request(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
+        try:
+            await super()._accept_request(msg_id, data, address)
+        except Exception:  # noqa: BLE001 - wrong arity or types in a request: drop and count it
+            self.report_rejection("malformed", address)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

@@ -160,6 +160,8 @@ class Round:
                 self.open.discard(sender)
                 self.give_up(sender)
                 return
+            if not isinstance(msg, pb.Contribution):  # undecodable (security.UNDECODABLE)
+                raise _invalid("a contribution message does not decode")
             try:
                 got += wire.take_chunk(msg, image, got)
             except ValueError as exc:
@@ -328,7 +330,7 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
             msg = await context.read()
     except TimeoutError:
         raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "invalid", "no header in time") from None
-    if msg is _EOF or not msg.HasField("header") or msg.data:
+    if not isinstance(msg, pb.Contribution) or not msg.HasField("header") or msg.data:
         raise _invalid("the first message must carry the header and no data")
     return msg.header
 

@@ -248,8 +248,7 @@ async def start_server(
     if max_serving < 1:
         raise ValueError(f"max_serving must be at least 1, got {max_serving}")
     security = security or Security()
-    guard = [ServerGuard(security, on_rejected)] if security.token or security.tls else None
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=guard)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServerGuard(security, on_rejected)])
     servicer = _SnapshotServicer(catalog, status, max_serving, on_served, faults or ServeFaults())
     _register_snapshot_service(servicer, server)
     health = HealthServicer()

@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,8 +191,9 @@ class CredentialsInterceptor(
 
 
 class ServerGuard(grpc.aio.ServerInterceptor):
-    """Ends every call that lacks the swarm token (or, with a CA, a client certificate) UNAUTHENTICATED,
-    before its handler runs; `on_reject` counts it."""
+    """Runs before every handler: a call without the swarm token (or, with a CA, without a valid
+    certificate proof) ends UNAUTHENTICATED, and `on_reject` counts it; a request message that does not
+    decode ends INVALID_ARGUMENT (where gRPC itself would answer UNKNOWN)."""
 
     def __init__(self, security: Security, on_reject: Callable[[str], None] | None = None) -> None:
         self._token = security.token.encode() if security.token else None
@@ -201,11 +202,12 @@ class ServerGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or self._admits(details):
-            return handler
-        if self._on_reject is not None:
+        if handler is None:
+            return None
+        admitted = self._admits(details)
+        if not admitted and self._on_reject is not None:
             self._on_reject("unauthenticated")
-        return _guarded(handler, _refuse)
+        return _guarded(handler, admitted)
 
     def _admits(self, details: grpc.HandlerCallDetails) -> bool:
         metadata = dict(details.invocation_metadata or ())
@@ -216,49 +218,77 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         return self._certificates is None or self._certificates.verify(metadata, details.method)
 
 
-async def _refuse(context: Any) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+UNDECODABLE = object()
+"""What a guarded handler's context.read() yields for a message that did not decode."""
+
+_KINDS = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
 
 
-Check = Callable[[Any], Awaitable[None]]
-
-
-def _guarded(handler: Any, check: Check) -> Any:
-    """The same kind of handler, running `check(context)` first."""
-    kinds = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }
-    for kind, make in kinds.items():
+def _guarded(handler: Any, admitted: bool) -> Any:
+    """The same kind of handler, behind the admission and decoding checks."""
+    for kind, make in _KINDS.items():
         behaviour = getattr(handler, kind)
         if behaviour is not None:
-            wrapped = _streaming(behaviour, check) if kind.endswith("stream") else _unary(behaviour, check)
+            wrapped = _wrap(behaviour, admitted, kind.startswith("stream"), kind.endswith("stream"))
             return make(
                 wrapped,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
     return handler
 
 
-def _unary(behaviour: Callable[..., Any], check: Check) -> Callable[..., Awaitable[Any]]:
-    async def guarded(request: Any, context: Any) -> Any:
-        await check(context)
-        return await behaviour(request, context)
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
 
-    return guarded
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:  # noqa: BLE001 - any decoding failure is the caller's malformed message
+            return UNDECODABLE
+
+    return decode
 
 
-def _streaming(behaviour: Callable[..., Any], check: Check) -> Callable[..., AsyncIterator[Any]]:
-    async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
-        await check(context)
-        result = behaviour(request, context)
+async def _prepare(request: Any, context: Any, admitted: bool, streaming: bool) -> Any:
+    if not admitted:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+    if streaming:
+        return _decoded(request, context)
+    if request is UNDECODABLE:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not decode")
+    return request
+
+
+async def _decoded(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async for request in requests:
+        if request is UNDECODABLE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request message does not decode")
+        yield request
+
+
+def _wrap(
+    behaviour: Callable[..., Any], admitted: bool, request_streaming: bool, response_streaming: bool
+) -> Callable[..., Any]:
+    if not response_streaming:
+
+        async def unary(request: Any, context: Any) -> Any:
+            return await behaviour(await _prepare(request, context, admitted, request_streaming), context)
+
+        return unary
+
+    async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+        result = behaviour(await _prepare(request, context, admitted, request_streaming), context)
         if inspect.isasyncgen(result):
             async for item in result:
                 yield item
         else:  # a handler that writes through the context
             await result
 
-    return guarded
+    return streaming
