@@ -45,6 +45,7 @@ MAX_NAME_CHARS = 512
 CHUNK_BYTES = 4 << 20
 FRAME_MIN_BYTES = 256 << 10  # planes smaller than this share the running frame
 DEFAULT_MAX_BYTES = 64 << 30
+MAX_EXPANSION = 1000  # decompressed/compressed: far above any real snapshot (fresh Adam moments ~ zeros)
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -511,13 +512,15 @@ def read_snapshot(
     """Read, validate and verify a snapshot file; the tensors are returned only if the sha256 matches.
 
     `template` (name -> (dtype, shape)) refuses any other tensor set before allocating; without it,
-    at most `max_bytes` of declared tensor data are accepted.
+    at most `max_bytes` of declared tensor data are accepted, and no more than the file could plausibly
+    decompress to (`MAX_EXPANSION` × its size), so a small lying file cannot make us allocate much.
     """
     with _open(path) as raw:
         source = _HashingSource(raw)
         stream = _Decompressed(source)
         header = _read_header(stream)
-        _check_limits(header, template, max_bytes)
+        plausible = MAX_EXPANSION * path.stat().st_size + MAX_HEADER_BYTES
+        _check_limits(header, template, min(max_bytes, plausible))
         buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
         tensors = {e.name: _read_tensor(stream, e, buffer) for e in header.entries}
         snapshot_id = _finish(stream, source, expected_id)

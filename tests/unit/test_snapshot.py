@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -223,3 +224,30 @@ def test_header_alone_is_cheap_to_read(tmp_path: Path) -> None:
     assert header.metadata["inner_step"] == 17
     assert {e.name for e in header.entries} == set(sample_state())
     assert np.all(np.diff([e.begin for e in header.entries]) >= 0)
+
+
+def test_a_small_file_claiming_gigabytes_is_refused_with_bounded_memory(tmp_path: Path) -> None:
+    """Run in a child so its peak RSS measures only this read."""
+    path = tmp_path / "liar.snap.zst"
+    declared = 8 << 30  # 8 GiB of float32 that the 1 KB file cannot hold
+    header = {
+        "__metadata__": _meta(),
+        "a": {"dtype": "F32", "shape": [declared // 4], "data_offsets": [0, declared]},
+    }
+    _raw_snapshot(path, header, b"\0" * 1024)
+    script = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from swarmnode.snapshot import SnapshotError, read_snapshot\n"
+        "try:\n"
+        f"    read_snapshot(Path({str(path)!r}))\n"
+        "except SnapshotError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    refusal, peak_mb = out.stdout.strip().splitlines()
+    assert refusal.startswith("refused:") and "over the limit" in refusal
+    assert int(peak_mb) < 1024, f"peak RSS {peak_mb} MB while refusing a file that claims 8 GiB"
