@@ -135,6 +135,11 @@ class _Child:
             if pipe is not None:
                 pipe.close()
 
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the child's process group while the child is not yet reaped."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 

@@ -238,9 +238,14 @@ class SwarmProtocol(KademliaProtocol):
     def welcome_if_new(self, node: Node) -> None:
         """Add a new contact and hand it the signed entries it should hold (Kademlia paper §2.5).
 
-        Unlike kademlia's version this uses the stored digests as they are (it hashed them again).
+        Unlike kademlia's version this uses the stored digests as they are (it hashed them again), and a
+        known node that writes from a new address (restarted on another port) gets its contact updated,
+        rather than being asked at its dead address until it times out.
         """
-        if node.id == self.source_node.id or not self.router.is_new_node(node):
+        if node.id == self.source_node.id:
+            return
+        if not self.router.is_new_node(node):
+            self.router.add_contact(node)  # refreshes the address and the bucket order
             return
         entries = [
             (k, e)

@@ -368,6 +368,27 @@ def test_restarted_publisher_replaces_its_own_old_entry() -> None:
     run(scenario())
 
 
+def test_a_node_restarted_on_a_new_port_is_known_at_its_new_address() -> None:
+    async def scenario() -> None:
+        async with swarm(2) as members:
+            identity = Identity.generate()
+            first = await start_member([f"127.0.0.1:{members[0].dht.port}"], identity=identity)
+            old_port = first.dht.port
+            await first.dht.stop()
+            second = await start_member([f"127.0.0.1:{members[0].dht.port}"], identity=identity)
+            try:
+                assert second.dht.port != old_port
+                router = members[0].protocol.router  # find_neighbors would leave the target out
+                seen = [
+                    n for bucket in router.buckets for n in bucket.get_nodes() if n.id == identity.node_id
+                ]
+                assert [n.port for n in seen] == [second.dht.port]
+            finally:
+                await second.dht.stop()
+
+    run(scenario())
+
+
 def test_entry_disappears_at_its_own_expiry() -> None:
     async def scenario() -> None:
         async with swarm(5) as members:
