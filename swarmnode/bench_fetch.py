@@ -20,7 +20,8 @@ from pathlib import Path
 from swarmnode import rpc_client
 from swarmnode.bench import BenchResult, median, trained_run
 from swarmnode.bench_procs import Worker
-from swarmnode.snapshot import SnapshotInfo, write_snapshot
+from swarmnode.snapshot import SnapshotInfo
+from swarmnode.snapshot_write import write_snapshot
 
 RECV_BYTES = 1 << 20
 WORKER_START_S = 120.0

@@ -31,7 +31,8 @@ from swarmnode.bench_procs import ChildFailed, Node, Worker, free_port, json_lin
 from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.identity import Identity
 from swarmnode.recovery import RECEIPTS_FILE
-from swarmnode.snapshot import info_from_file, iter_snapshot_files, read_snapshot, sha256_file
+from swarmnode.snapshot import iter_snapshot_files, sha256_file
+from swarmnode.snapshot_read import info_from_file, read_snapshot
 
 RUN_ID = "bench-recovery"
 TIMEOUT_S = 300.0

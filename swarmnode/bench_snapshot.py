@@ -27,7 +27,8 @@ import torch
 from swarmnode.bench import BenchResult, load_note, median, timed, trained_run
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer, StagingBuffers
 from swarmnode.metrics import Metrics
-from swarmnode.snapshot import read_snapshot, write_snapshot
+from swarmnode.snapshot_read import read_snapshot
+from swarmnode.snapshot_write import write_snapshot
 
 
 def bench_snapshot(preset_name: str, rounds: int = 7, train_steps: int = 8) -> BenchResult:

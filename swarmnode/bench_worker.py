@@ -29,7 +29,8 @@ import torch
 
 from swarmnode import rpc, rpc_server
 from swarmnode.averaging import AveragingServicer, GroupSpec, butterfly_allreduce
-from swarmnode.snapshot import SnapshotInfo, info_from_file
+from swarmnode.snapshot import SnapshotInfo
+from swarmnode.snapshot_read import info_from_file
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

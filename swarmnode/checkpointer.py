@@ -24,14 +24,9 @@ import torch
 
 from swarmnode import faults
 from swarmnode.metrics import Metrics
-from swarmnode.snapshot import (
-    SnapshotError,
-    SnapshotInfo,
-    info_from_file,
-    iter_snapshot_files,
-    sha256_file,
-    write_snapshot,
-)
+from swarmnode.snapshot import SnapshotError, SnapshotInfo, iter_snapshot_files, sha256_file
+from swarmnode.snapshot_read import info_from_file
+from swarmnode.snapshot_write import write_snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -67,6 +67,7 @@ class NodeConfig:
     progress_interval_s: float = 10.0
     wait_peers: int = 0
     max_serving: int = 2
+    max_serving_per_peer: int = 1
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 30.0
     wire_dtype: str = "bf16"
@@ -324,6 +325,11 @@ FLAGS: tuple[Flag, ...] = (
         "max_serving",
         _positive_int,
         "most concurrent snapshot streams served; the next gets RESOURCE_EXHAUSTED",
+    ),
+    Flag(
+        "max_serving_per_peer",
+        _positive_int,
+        "most concurrent snapshot streams served to one host (all of loopback is one host)",
     ),
     Flag(
         "matchmaking_timeout_s",

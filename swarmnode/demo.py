@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from swarmnode import rpc, rpc_client
 from swarmnode.recovery import read_receipts
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header
+from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_header
 
 NODE_ARGS = (
     "--model",

@@ -9,13 +9,9 @@ from typing import Any
 
 import torch
 
-from swarmnode.snapshot import (
-    SnapshotError,
-    parse_snapshot_name,
-    read_snapshot,
-    verify_snapshot,
-    write_safetensors,
-)
+from swarmnode.snapshot import SnapshotError, parse_snapshot_name
+from swarmnode.snapshot_read import read_snapshot, verify_snapshot
+from swarmnode.snapshot_write import write_safetensors
 
 
 def inspect_command(path: Path, as_json: bool) -> int:

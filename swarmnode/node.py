@@ -2,60 +2,42 @@
 
 Training compute runs on a worker thread (`asyncio.to_thread`); the event loop owns all network I/O and
 never waits on a training step. SIGTERM/SIGINT end the inner phase after the current step, write a final
-snapshot and leave cleanly. Once its services listen, a node writes DATA_DIR/node.json (node id, ports,
-pid) so scripts and tests learn the ports it picked.
+snapshot and leave cleanly. The pieces it runs: services.py (metrics, gRPC, DHT, node.json, status),
+joining.py (the restore at start), membership.py (announcements, expected peers, when to repair).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
 import logging
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from prometheus_client import start_http_server
+import torch
 
-from swarmnode import clock, faults, rpc, rpc_client, rpc_server
-from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
-from swarmnode.averaging import propose_group
+from swarmnode import clock, faults, rpc
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.config import ConfigError, NodeConfig
-from swarmnode.data import ShardLoader, load_corpus, shard_for_node
-from swarmnode.dht import DHTConfig, SwarmDHT
+from swarmnode.data import Corpus, ShardLoader, load_corpus, shard_for_node
 from swarmnode.diloco import DilocoConfig
 from swarmnode.identity import Identity
+from swarmnode.joining import peer_fetcher, restore_at_start
 from swarmnode.ledger import Ledger
-from swarmnode.matchmaking import Matchmaker, Offer
+from swarmnode.matchmaking import Offer
+from swarmnode.membership import Membership
 from swarmnode.metrics import Metrics
 from swarmnode.model import configure_determinism, count_parameters, preset, select_device
 from swarmnode.progress import ProgressReporter, ProgressSample
 from swarmnode.recovery import Receipt, Recovery, append_receipt
-from swarmnode.reducer import AveragingServicer
-from swarmnode.rounds import RoundResult, SwarmRounds
+from swarmnode.rounds import RoundResult
 from swarmnode.security import Security
-from swarmnode.snapshot import SnapshotInfo, sha256_file
+from swarmnode.services import node_status, progress_sample, report_progress, start_services, write_node_file
+from swarmnode.snapshot import SnapshotInfo
 from swarmnode.training import RunIdentity, TrainingRun, run_digest
-from swarmnode.wire import GroupSpec
 
 logger = logging.getLogger(__name__)
-
-JOIN_WAIT_S = 15.0
-"""How long a starting node waits for its --peers to answer before it recovers without them."""
-
-
-@dataclass
-class Ports:
-    grpc: int = 0
-    dht: int = 0
-    metrics: int = 0
 
 
 class Node:
@@ -67,7 +49,6 @@ class Node:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.progress = progress
-        self.ports = Ports()
         self.started_at = time.time()
         self.phase = "starting"
         self._stop = threading.Event()
@@ -75,8 +56,6 @@ class Node:
         self._repair_from: tuple[Offer, ...] = ()
         self.last_round: RoundResult | None = None
         self.repairs = 0
-        self._ignored_runs: set[str] = set()
-        self._announce_task: asyncio.Task[None] | None = None
 
     # ----- building -----
 
@@ -115,6 +94,10 @@ class Node:
             on_written=self._on_snapshot_written,
         )
         self.metrics.track_snapshot_age(self.checkpointer.newest_created_at, clock.now)
+        self._log_built(corpus, device, shard)
+
+    def _log_built(self, corpus: Corpus, device: torch.device, shard: int) -> None:
+        cfg = self.cfg
         logger.info(
             "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, "
             "sha256 %s…), shard %d/%d",
@@ -137,12 +120,13 @@ class Node:
         """Serve, recover, train rounds until done or stopped; `build()` must have run."""
         self._install_signal_handlers()
         self.loop = asyncio.get_running_loop()
-        async with contextlib.AsyncExitStack() as services:
-            await self._start_services(services)
-            self._write_node_file()
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start_services(stack)
             await self._wait_for_peers()
             await self._recover()
-            reporter = asyncio.create_task(self._report_progress())
+            reporter = asyncio.create_task(
+                report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
+            )
             try:
                 await self._round_loop()
             finally:
@@ -150,7 +134,7 @@ class Node:
             await asyncio.to_thread(self._final_snapshot)
             if self._pending_receipt is not None:  # stopped before a single inner step
                 self._write_receipt(self._pending_receipt)
-            await self._flush_announcement()
+            await self.membership.flush()
             self.phase = "stopping"
         logger.info(
             "node %s stopped at outer step %d, inner step %d",
@@ -159,6 +143,26 @@ class Node:
             self.run_state.progress.inner_step,
         )
         return 0
+
+    async def _start_services(self, stack: contextlib.AsyncExitStack) -> None:
+        cfg = self.cfg
+        services = await start_services(
+            stack,
+            cfg,
+            self.identity,
+            self.security,
+            self.checkpointer,
+            self.metrics,
+            self.run_state.identity.run_digest,
+            self.dht_run,
+            self.rpc_status,
+        )
+        self.ports, self.dht, self.rounds = services.ports, services.dht, services.rounds
+        ahead_wait_s = cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s
+        self.membership = Membership(
+            self.dht, self.dht_run, self.run_state.identity, services.address, self._stop, ahead_wait_s
+        )
+        write_node_file(cfg, self.ports, self.run_state)
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
@@ -211,7 +215,7 @@ class Node:
             round_step,
             run.trainer.global_digest(),
             run.loader.state_dict(),
-            await self._expected_peers(),
+            await self.membership.expected_peers(p.outer_step),
             in_swarm=len(p.swarm_cursors.keys() - {self.node_id}) > 0,
         )
         self.last_round = result
@@ -231,16 +235,6 @@ class Node:
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
 
-    async def _expected_peers(self) -> frozenset[str] | None:
-        """Peers that announced this round or the last are expected to offer (matchmaking may end as
-        soon as they have); None when the routing table is empty (nobody to wait for)."""
-        if not self.dht.peer_count():
-            return None
-        outer_step = self.run_state.progress.outer_step
-        return frozenset(
-            a.node_id for a in await self._peer_announcements() if a.outer_step >= outer_step - 1
-        )
-
     # ----- catching up with the swarm -----
 
     async def _catch_up(self) -> bool:
@@ -249,21 +243,10 @@ class Node:
         p = self.run_state.progress
         agreeing = {o.node_id for o in self._repair_from}
         self._repair_from = ()
-        peers = await self._peer_announcements()
-        ahead = [a for a in peers if a.outer_step > p.outer_step]
-        if agreeing and not ahead:  # the majority may still be finishing the round's outer step
-            ahead = await self._wait_for_peers_ahead(p.outer_step) or [
-                a for a in peers if a.node_id in agreeing
-            ]
+        ahead, why = await self.membership.repair_sources(p.outer_step, agreeing)
         if not ahead:
             return False
-        why = (
-            "its global params disagreed with the swarm's"
-            if agreeing
-            else (f"it was behind the swarm (outer step {p.outer_step} < {max(a.outer_step for a in ahead)})")
-        )
         self.phase = "repairing"
-        ahead.sort(key=lambda a: a.freshness, reverse=True)
         if await self.recovery.repair(ahead) is None:
             return False
         self.repairs += 1
@@ -272,15 +255,6 @@ class Node:
         logger.warning("repaired: %s; now at outer step %d with the swarm's global params", why, p.outer_step)
         await asyncio.to_thread(self._snapshot, "hot")
         return True
-
-    async def _wait_for_peers_ahead(self, outer_step: int) -> list[Announcement]:
-        deadline = time.monotonic() + self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s
-        while time.monotonic() < deadline and not self._stop.is_set():
-            ahead = [a for a in await self._peer_announcements() if a.outer_step > outer_step]
-            if ahead:
-                return ahead
-            await asyncio.sleep(0.5)
-        return []
 
     def _snapshot(self, kind: str) -> bool:
         run = self.run_state
@@ -297,41 +271,7 @@ class Node:
 
     def _on_snapshot_written(self, info: SnapshotInfo) -> None:
         """Called on the writer thread after each snapshot: announce it from the event loop."""
-        self.loop.call_soon_threadsafe(self._schedule_announcement, info)
-
-    def _schedule_announcement(self, info: SnapshotInfo) -> None:
-        previous = self._announce_task
-        self._announce_task = asyncio.create_task(self._announce(info, previous))
-
-    async def _announce(self, info: SnapshotInfo, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None and not previous.done():
-            previous.cancel()  # a newer snapshot supersedes it
-            with contextlib.suppress(asyncio.CancelledError):
-                await previous
-        announcement = Announcement(
-            self.node_id,
-            f"{self.cfg.advertised_host}:{self.ports.grpc}",
-            info.snapshot_id,
-            info.size_bytes,
-            info.outer_step,
-            info.inner_step,
-            info.kind,
-            info.created_at,
-            self.run_state.identity.run_digest,
-            info.cursor,
-        )
-        try:
-            await self.dht.publish(snapshots_key(self.dht_run), announcement.to_value(), ANNOUNCE_TTL_S)
-        except ValueError as exc:  # a record over the size cap is a bug, but must not stop training
-            logger.error("announcement of %s refused locally: %s", info.snapshot_id[:12], exc)
-        except (OSError, AttributeError, RuntimeError) as exc:  # the DHT socket closed under a late task
-            logger.debug("announcement of %s not sent: %s", info.snapshot_id[:12], exc)
-
-    async def _flush_announcement(self) -> None:
-        task = self._announce_task
-        if task is not None and not task.done():
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=5.0)
+        self.loop.call_soon_threadsafe(self.membership.announce, info)
 
     # ----- recovery -----
 
@@ -345,26 +285,15 @@ class Node:
 
     async def _recover(self) -> None:
         self.phase = "recovering"
-        started = time.perf_counter()
-        if self.cfg.peers and not await self.dht.wait_for_peers(JOIN_WAIT_S):
-            logger.warning(
-                "no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S
-            )
-        peers, own = await self._lookup_announcements()
-        lookup_s = time.perf_counter() - started
-        self.recovery = recovery = Recovery(
+        self.recovery = Recovery(
             self.run_state,
             self.cfg.snapshot_dir,
-            self._fetch_for_recovery,
+            peer_fetcher(self.run_state, self.metrics),
             lambda reason: self.metrics.fetch_failures.labels(reason).inc(),
         )
-        receipt = await recovery.recover(peers, own, lookup_s)
-        receipt.seconds = time.perf_counter() - started
-        verified = recovery.verified
-        await asyncio.to_thread(
-            self.checkpointer.adopt_existing, lambda path, sid: sid in verified or sha256_file(path) == sid
+        receipt = await restore_at_start(
+            self.recovery, self.membership, self.dht, self.checkpointer, bool(self.cfg.peers)
         )
-        self._log_recovery(receipt)
         progress = self.run_state.progress
         assert progress.committed_cursor is not None
         self.ledger.adopt(progress.committed_cursor, receipt.source, progress.outer_step)
@@ -374,250 +303,18 @@ class Node:
         if receipt.source == "peer":  # keep the adopted state on local disk at once
             await asyncio.to_thread(self._snapshot, "hot")
 
-    def _log_recovery(self, receipt: Receipt) -> None:
-        if receipt.source == "fresh":
-            logger.info(
-                "no snapshot to resume from: starting at outer step 0 with %s cursor %s",
-                receipt.cursor_source,
-                receipt.cursor,
-            )
-        else:
-            logger.info(
-                "recovered from %s snapshot %s%s at outer step %d, inner step %d in %.2f s "
-                "(cursor %s from %s)",
-                receipt.source,
-                (receipt.snapshot_id or "")[:12],
-                f" of {receipt.peer}" if receipt.peer else "",
-                receipt.outer_step,
-                receipt.inner_step,
-                receipt.seconds,
-                receipt.cursor,
-                receipt.cursor_source,
-            )
-
-    async def _lookup_announcements(self) -> tuple[list[Announcement], Announcement | None]:
-        """Peers' announcements of this run, and this node's own last one (for its cursor)."""
-        entries = await self.dht.get(snapshots_key(self.dht_run))
-        peers: list[Announcement] = []
-        own = None
-        for node_id, entry in entries.items():
-            announcement = Announcement.from_value(node_id, entry.value)
-            if announcement is None:
-                self._warn_once(node_id, "ignoring a malformed announcement from %s", node_id[:12])
-            elif node_id == self.node_id:
-                own = announcement
-            elif self._same_run(announcement):
-                peers.append(announcement)
-        return peers, own
-
-    async def _peer_announcements(self) -> list[Announcement]:
-        return (await self._lookup_announcements())[0]
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._ignored_runs:
-            self._ignored_runs.add(key)
-            logger.warning(message, *args)
-
-    def _same_run(self, announcement: Announcement) -> bool:
-        if announcement.run_digest == self.run_state.identity.run_digest:
-            return True
-        self._warn_once(
-            announcement.node_id,
-            "peer %s (%s) runs another configuration (run digest %s… vs ours %s…): not using it",
-            announcement.node_id[:12],
-            announcement.address,
-            announcement.run_digest[:12],
-            self.run_state.identity.run_digest[:12],
-        )
-        return False
-
-    async def _fetch_for_recovery(self, peer: Announcement, target: Path) -> str:
-        """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
-        (a node keeps training after it announces); returns the id of what was fetched and verified."""
-        limit = int(self.run_state.state_bytes() * 1.25) + (4 << 20)
-        fetch = functools.partial(
-            rpc_client.fetch_snapshot, peer.address, target, max_bytes=limit, on_bytes=self._count_fetched
-        )
-        try:
-            result = await fetch(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)
-        except rpc.PeerUnavailable as exc:
-            if exc.reason != "refused":
-                raise
-            result = await fetch()  # the newest it serves; still verified against its own id
-        return result.snapshot_id
-
     def _write_receipt(self, receipt: Receipt) -> None:
         append_receipt(self.cfg.data_dir, receipt)
         logger.info("restart receipt: %s", receipt.to_json())
 
-    def _count_fetched(self, size: int) -> None:
-        self.metrics.fetch_bytes.inc(size)
-        faults.hit("fetch_chunk")
-
-    # ----- services -----
-
-    async def _start_services(self, services: contextlib.AsyncExitStack) -> None:
-        """Metrics, gRPC and the DHT; each is stopped by `services` on every way out."""
-        cfg = self.cfg
-        metrics_server, _thread = start_http_server(
-            cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
-        )
-        services.callback(metrics_server.shutdown)
-        self.ports.metrics = metrics_server.server_port
-        services.push_async_callback(asyncio.to_thread, self.checkpointer.close)
-        self.averaging = AveragingServicer(
-            self.node_id,
-            on_proposal=self._on_proposal,
-            on_rejected=lambda reason: self.metrics.rpc_rejected.labels(reason).inc(),
-        )
-        self.rpc_server = await rpc_server.start_server(
-            cfg.host,
-            cfg.grpc_port,
-            self.checkpointer,
-            self.rpc_status,
-            max_serving=cfg.max_serving,
-            on_served=self._on_served,
-            extra_servicers=[self.averaging.register],
-            faults=_serve_faults(),
-            security=self.security,
-            on_rejected=lambda reason: self.metrics.rpc_rejected.labels(reason).inc(),
-        )
-        services.push_async_callback(self.rpc_server.stop, 1.0)
-        self.ports.grpc = self.rpc_server.port
-        self.dht = SwarmDHT(
-            self.identity,
-            DHTConfig(host=cfg.host, port=cfg.dht_port),
-            on_reject=lambda reason: self.metrics.dht_rejected.labels(reason).inc(),
-        )
-        await self.dht.start(cfg.peers)
-        services.push_async_callback(self.dht.stop)
-        self.ports.dht = self.dht.port
-        self.metrics.dht_peers.set_function(self.dht.peer_count)
-        self.matchmaker = Matchmaker(
-            self.dht,
-            self.node_id,
-            f"{cfg.advertised_host}:{self.ports.grpc}",
-            self.dht_run,
-            self.run_state.identity.run_digest,
-            cfg.wire_dtype,
-            cfg.matchmaking_timeout_s,
-            cfg.allreduce_timeout_s,
-            propose_group,
-        )
-        self.rounds = SwarmRounds(
-            self.matchmaker, self.averaging, self.node_id, cfg.min_coverage, self.metrics
-        )
-        logger.info(
-            "listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
-            cfg.host,
-            self.ports.grpc,
-            self.ports.dht,
-            cfg.host,
-            self.ports.metrics,
-            cfg.advertised_host,
-        )
-
-    async def _on_proposal(self, spec: GroupSpec) -> bool:
-        matchmaker = getattr(self, "matchmaker", None)
-        return matchmaker is not None and await matchmaker.on_proposal(spec)
-
-    def _on_served(self, snapshot_id: str) -> None:
-        self.metrics.snapshots_served.inc()
-        info = self.checkpointer.find(snapshot_id)
-        if info is not None:
-            self.metrics.served_bytes.inc(info.size_bytes)
-
-    def _write_node_file(self) -> None:
-        info = {
-            "node_id": self.node_id,
-            "pid": os.getpid(),
-            "run_id": self.cfg.run_id,
-            "host": self.cfg.advertised_host,
-            "grpc_port": self.ports.grpc,
-            "dht_port": self.ports.dht,
-            "metrics_port": self.ports.metrics,
-            "run_digest": self.run_state.identity.run_digest,
-            "shard": self.run_state.loader.shard,
-        }
-        path = self.cfg.data_dir / "node.json"
-        tmp = path.with_name("node.json.tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, path)
-
-    async def _report_progress(self) -> None:
-        reporter = self.progress
-        if reporter is None:
-            return
-        interval = reporter.interval_s or self.cfg.progress_interval_s
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                reporter.report(self.progress_sample())
-        finally:
-            reporter.finish()
+    # ----- what it reports -----
 
     def progress_sample(self) -> ProgressSample:
-        p = self.run_state.progress
         created = self.checkpointer.newest_created_at()
-        return ProgressSample(
-            round=p.outer_step,
-            step=p.round_step,
-            steps_per_round=self.cfg.inner_steps,
-            loss=p.last_loss,
-            heldout_loss=p.heldout_loss,
-            tokens_per_s=round(self.run_state.tokens_per_second, 1),
-            peers=self.dht.peer_count(),
-            snapshot_age_s=None if created is None else clock.now() - created,
-            phase=self.phase,
+        return progress_sample(
+            self.run_state, self.cfg.inner_steps, self.phase, self.dht.peer_count(), created
         )
 
-    def rpc_status(self) -> rpc.NodeStatus:
-        run = self.run_state
-        p = run.progress
-        cursor = run.loader.state_dict()
-        return rpc.NodeStatus(
-            node_id=self.node_id,
-            run_id=self.cfg.run_id,
-            phase=self.phase,
-            uptime_s=time.time() - self.started_at,
-            outer_step=p.outer_step,
-            inner_step=p.inner_step,
-            last_loss=p.last_loss,
-            tokens_per_s=run.tokens_per_second,
-            cursor=rpc.CursorStatus(cursor["shard"], cursor["epoch"], cursor["position"]),
-            peers=self.dht.peer_count(),
-            global_digest=run.trainer.global_digest(),
-            **self._round_status(),
-        )
-
-    def _round_status(self) -> dict[str, Any]:
-        last = self.last_round
-        if last is None:
-            return {"repairs": self.repairs}
-        return {
-            "last_group": last.group,
-            "last_coverage": last.coverage,
-            "last_allreduce_s": last.seconds,
-            "repairs": self.repairs,
-        }
-
-
-def _serve_faults() -> rpc.ServeFaults | None:
-    """Test-only misbehaviour of the snapshot server, from SWARMNODE_FAULTS (inert when unset)."""
-    if not faults.armed("serve_chunk") and not faults.armed("serve_stream"):
-        return None
-
-    def chunk_filter(offset: int, data: bytes) -> bytes:
-        fault = faults.hit("serve_chunk")
-        if fault is not None and fault.action == "corrupt" and data:
-            return bytes([data[0] ^ 0xFF]) + data[1:]
-        return data
-
-    truncate = faults.find("truncate", "serve_stream")
-    return rpc.ServeFaults(
-        chunk_filter=chunk_filter, cut_at_offset=int(truncate.arg or 1 << 20) if truncate else None
-    )
-
-
-def _sha_matches(path: Path, snapshot_id: str) -> bool:
-    return sha256_file(path) == snapshot_id
+    def rpc_status(self, peers: int) -> rpc.NodeStatus:
+        uptime_s = time.time() - self.started_at
+        return node_status(self.run_state, self.phase, uptime_s, peers, self.last_round, self.repairs)

@@ -26,13 +26,8 @@ from typing import Any
 
 from swarmnode.announcements import Announcement
 from swarmnode.checkpointer import quarantine
-from swarmnode.snapshot import (
-    SnapshotError,
-    iter_snapshot_files,
-    parse_snapshot_name,
-    read_header,
-    read_snapshot,
-)
+from swarmnode.snapshot import SnapshotError, iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_header, read_snapshot
 from swarmnode.training import TrainingRun
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
@@ -141,6 +142,12 @@ class _ChunkReader:
             self._closed = True
 
 
+def peer_host(peer: str) -> str:
+    """The caller's address without its port ("ipv4:10.0.0.5:40312" -> "ipv4:10.0.0.5"): streams are
+    limited per host, since one machine can open connections from any number of ports."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
 class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
     """`SnapshotService` over a catalog and a status provider (see the .proto for the contract)."""
 
@@ -151,10 +158,12 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
         max_serving: int,
         on_served: Callable[[str], None] | None,
         faults: ServeFaults,
+        max_per_peer: int,
     ) -> None:
         self._catalog, self._status, self._max_serving = catalog, status, max_serving
-        self._on_served, self._faults = on_served, faults
+        self._on_served, self._faults, self._max_per_peer = on_served, faults, max_per_peer
         self._serving = 0
+        self._per_peer: Counter[str] = Counter()
         self._cuts_left = faults.cut_streams
 
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context: Any) -> pb.ListSnapshotsResponse:
@@ -171,7 +180,9 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
         info = await self._admit(request, context)
         stop = self._stop_offset(info, request.offset)
         reader = _ChunkReader(info, request.offset, stop, self._faults.chunk_filter)
+        peer = peer_host(context.peer())
         self._serving += 1
+        self._per_peer[peer] += 1
         try:
             yield pb.FetchSnapshotChunk(meta=meta_to_pb(info), offset=request.offset)
             async with contextlib.aclosing(reader.chunks()) as chunks:
@@ -182,6 +193,9 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
             await context.abort(exc.code, f"snapshot {info.snapshot_id}: {exc}")
         finally:
             self._serving -= 1
+            self._per_peer[peer] -= 1
+            if not self._per_peer[peer]:
+                del self._per_peer[peer]
         if stop == info.size_bytes and self._on_served is not None:
             self._on_served(info.snapshot_id)
 
@@ -200,6 +214,11 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"serving {self._serving}/{self._max_serving} snapshot streams; try another peer or later",
+            )
+        elif self._per_peer[peer_host(context.peer())] >= self._max_per_peer:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"already serving {self._max_per_peer} snapshot stream(s) to your address; one at a time",
             )
         assert info is not None
         return info
@@ -233,6 +252,7 @@ async def start_server(
     status: StatusProvider,
     *,
     max_serving: int = 2,
+    max_serving_per_peer: int | None = None,
     on_served: Callable[[str], None] | None = None,
     extra_servicers: Sequence[Callable[[grpc.aio.Server], None]] = (),
     faults: ServeFaults | None = None,
@@ -249,7 +269,8 @@ async def start_server(
         raise ValueError(f"max_serving must be at least 1, got {max_serving}")
     security = security or Security()
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServerGuard(security, on_rejected)])
-    servicer = _SnapshotServicer(catalog, status, max_serving, on_served, faults or ServeFaults())
+    per_peer = max_serving if max_serving_per_peer is None else max_serving_per_peer
+    servicer = _SnapshotServicer(catalog, status, max_serving, on_served, faults or ServeFaults(), per_peer)
     _register_snapshot_service(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

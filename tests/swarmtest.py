@@ -246,7 +246,8 @@ def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
     """Every node's ledger replays as one chain (no batch counted twice or skipped, DESIGN §4), and the
     swarm's newest model records each node at a point of its chain: it holds exactly a prefix of it."""
     from swarmnode.ledger import check, read_ledger
-    from swarmnode.snapshot import parse_snapshot_name, read_header
+    from swarmnode.snapshot import parse_snapshot_name
+    from swarmnode.snapshot_read import read_header
 
     newest = max((newest_snapshot(n.data_dir) for n in nodes), key=lambda p: parse_snapshot_name(p.name)[1:3])
     lineage = read_header(newest).metadata["swarm_cursors"]

@@ -10,7 +10,7 @@ import torch
 
 from swarmnode.identity import Identity
 from swarmnode.recovery import read_receipts
-from swarmnode.snapshot import read_snapshot
+from swarmnode.snapshot_read import read_snapshot
 from swarmtest import newest_snapshot
 
 # Both runs are the same node (one identity key), so they own the same shard and RNG stream.

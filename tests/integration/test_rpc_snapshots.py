@@ -393,6 +393,34 @@ def test_stream_beyond_max_serving_is_refused_while_others_complete(tmp_path: Pa
     assert not (tmp_path / "got3").exists() and leftovers(tmp_path) == []
 
 
+def test_one_host_gets_at_most_max_serving_per_peer_streams(tmp_path: Path) -> None:
+    snap = write_snapshot(tmp_path, 3 * MiB)
+    first_open, gate = threading.Event(), threading.Event()
+
+    def hold_first_chunk(offset: int, data: bytes) -> bytes:
+        if offset == 0:
+            first_open.set()
+            gate.wait(20)
+        return data
+
+    async def scenario() -> None:
+        faults = rpc.ServeFaults(chunk_filter=hold_first_chunk)
+        async with serving([snap], max_serving=4, max_serving_per_peer=1, faults=faults) as (_, address):
+            slow = asyncio.create_task(rpc_client.fetch_snapshot(address, tmp_path / "got0"))
+            assert await asyncio.to_thread(first_open.wait, 20)
+            with pytest.raises(rpc.SnapshotUnavailable) as failure:
+                await rpc_client.fetch_snapshot(address, tmp_path / "got1")
+            gate.set()
+            await slow
+        assert failure.value.reason == "refused" and "to your address" in failure.value.detail
+
+    try:
+        run(scenario)
+    finally:
+        gate.set()
+    assert (tmp_path / "got0").read_bytes() == snap.path.read_bytes() and not (tmp_path / "got1").exists()
+
+
 def test_unknown_id_and_bad_offset_get_not_found_and_invalid_argument(tmp_path: Path) -> None:
     snap = write_snapshot(tmp_path, MiB)
 

@@ -11,7 +11,8 @@ from swarmnode.data import ShardLoader, default_corpus
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.model import build_model, preset
 from swarmnode.recovery import read_receipts
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_header, read_snapshot
+from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_header, read_snapshot
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,

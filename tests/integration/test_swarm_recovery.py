@@ -114,7 +114,11 @@ def test_a_peer_of_another_run_configuration_is_never_used(tmp_path: Path, reape
 
 def test_one_fetch_over_max_serving_is_refused_while_training_goes_on(tmp_path: Path, reaper) -> None:
     (node,) = start_swarm(
-        reaper, tmp_path, 1, [*ARGS, "--max-serving", "2"], faults=["sleep@serve_chunk=0.5"]
+        reaper,
+        tmp_path,
+        1,
+        [*ARGS, "--max-serving", "2", "--max-serving-per-peer", "3"],
+        faults=["sleep@serve_chunk=0.5"],
     )
     wait_for(lambda: node_status(node)["snapshots"], 60, "a snapshot to serve")
 

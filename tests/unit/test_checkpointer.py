@@ -10,7 +10,8 @@ import torch
 from swarmnode import faults
 from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.metrics import Metrics
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name, read_snapshot
+from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_snapshot
 
 
 def state(value: float) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ import zstandard
 
 import swarmnode
 from swarmnode import rpc_client, rpc_server
-from swarmnode.snapshot import SnapshotError, SnapshotInfo, read_snapshot
+from swarmnode.snapshot import SnapshotError, SnapshotInfo
+from swarmnode.snapshot_read import read_snapshot
 
 PACKAGE = Path(swarmnode.__file__).parent
 FORBIDDEN = [
