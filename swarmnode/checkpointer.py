@@ -41,8 +41,8 @@ class CheckpointerConfig:
     hot_level: int = 1
     """zstd level of hot snapshots (fast)."""
     cold_level: int = 3
-    zstd_threads: int = 0
-    """zstd worker threads (0: compress on the writer thread)."""
+    zstd_threads: int = 1
+    """Threads that compress a snapshot's large byte planes in parallel (as independent frames)."""
 
     def __post_init__(self) -> None:
         if self.keep_hot < 1 or self.keep_cold < 1:

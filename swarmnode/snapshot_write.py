@@ -9,8 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -33,6 +36,9 @@ from swarmnode.snapshot import (
     tensor_bytes,
 )
 
+MAX_PENDING_FRAMES = 4
+"""Planes compressed ahead of the one being written (bounds the memory a write takes)."""
+
 
 class _HashingSink:
     """A file wrapper that hashes and counts every byte written through it."""
@@ -51,24 +57,56 @@ class _HashingSink:
 
 
 class _FrameWriter:
-    """zstd output that can end the running frame, so dissimilar data is compressed apart."""
+    """zstd output made of frames. Small data goes into a running (streamed) frame; a large byte plane
+    becomes a frame of its own, compressed on a pool of `workers` threads while this thread hashes and
+    writes finished frames in order — so compression, hashing and writing overlap."""
 
-    def __init__(self, sink: _HashingSink, level: int, threads: int) -> None:
-        self._compressor = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
-        self._sink = sink
+    def __init__(self, sink: _HashingSink, level: int, workers: int) -> None:
+        self._level, self._sink = level, sink
+        self._compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
+        self._local = threading.local()  # a ZstdCompressor is not safe to share between threads
+        self._pool = ThreadPoolExecutor(max(workers, 1), thread_name_prefix="zstd")
+        self._pending: deque[Future[bytes]] = deque()
         self._frame: Any = None
         self.raw_bytes = 0
 
     def write(self, data: Any) -> None:
+        self._drain(0)
         if self._frame is None:
             self._frame = self._compressor.stream_writer(cast(BinaryIO, self._sink), closefd=False)
         self._frame.write(data)
         self.raw_bytes += memoryview(data).nbytes
 
+    def whole_frame(self, data: np.ndarray) -> None:
+        """`data` (a buffer nobody else writes to) as one frame of its own."""
+        self.end_frame()
+        self._pending.append(self._pool.submit(self._compress, data))
+        self.raw_bytes += data.nbytes
+        self._drain(MAX_PENDING_FRAMES)
+
+    def _compress(self, data: np.ndarray) -> bytes:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(
+                level=self._level, write_checksum=True
+            )
+        return bytes(compressor.compress(data.data))
+
+    def _drain(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._sink.write(self._pending.popleft().result())
+
     def end_frame(self) -> None:
         if self._frame is not None:
             self._frame.close()
             self._frame = None
+
+    def close(self) -> None:
+        self.end_frame()
+        try:
+            self._drain(0)
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def build_header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any], layout: str) -> bytes:
@@ -114,16 +152,14 @@ def _write_plain(out: _FrameWriter, data: np.ndarray) -> None:
 def _write_planes(out: _FrameWriter, data: np.ndarray, itemsize: int, buffer: np.ndarray) -> None:
     columns = data.reshape(-1, itemsize)
     numel = len(columns)
-    own_frames = numel >= FRAME_MIN_BYTES
     for plane in range(itemsize):
-        if own_frames:
-            out.end_frame()
+        if numel >= FRAME_MIN_BYTES:  # a frame of its own, compressed in parallel with the others
+            out.whole_frame(np.ascontiguousarray(columns[:, plane]))
+            continue
         for start in range(0, numel, len(buffer)):
             count = min(len(buffer), numel - start)
             np.copyto(buffer[:count], columns[start : start + count, plane])
             out.write(buffer[:count])
-    if own_frames:
-        out.end_frame()
 
 
 def write_snapshot(
@@ -134,13 +170,15 @@ def write_snapshot(
     kind: str,
     layout: str = "planes",
     level: int = 1,
-    threads: int = 0,
+    threads: int = 1,
     fsync: bool = False,
     on_halfway: Callable[[], None] | None = None,
 ) -> tuple[SnapshotInfo, int]:
     """Write CPU tensors + metadata as a snapshot in `directory`; returns its info and raw byte count.
 
-    `metadata` must hold outer_step, inner_step, run_id and node_id. `on_halfway` is called once about
+    `metadata` must hold outer_step, inner_step, run_id and node_id. `threads`: large byte planes are
+    compressed as independent frames on this many threads while the calling thread hashes and writes
+    (one is fastest on 2 cores: 650-720 MB/s vs 560-600 with two). `on_halfway` is called once about
     half-way through the tensor data (a fault-injection point for tests).
     """
     metadata = dict(metadata, kind=kind, layout=layout, created_at=metadata.get("created_at", clock.now()))
@@ -189,21 +227,23 @@ def _write_stream(
     on_halfway: Callable[[], None] | None,
 ) -> int:
     out = _FrameWriter(sink, level, threads)
-    out.write(build_header(tensors, metadata, layout))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    written, halfway_called = 0, on_halfway is None
-    buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
-    for tensor in tensors.values():
-        data = tensor_bytes(tensor)
-        if layout == "planes" and DTYPES[tensor.dtype] in FLOAT_DTYPES:
-            _write_planes(out, data, tensor.element_size(), buffer)
-        else:
-            _write_plain(out, data)
-        written += data.nbytes
-        if not halfway_called and written * 2 >= total:
-            halfway_called = True
-            on_halfway()  # type: ignore[misc]
-    out.end_frame()
+    try:
+        out.write(build_header(tensors, metadata, layout))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        written, halfway_called = 0, on_halfway is None
+        buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
+        for tensor in tensors.values():
+            data = tensor_bytes(tensor)
+            if layout == "planes" and DTYPES[tensor.dtype] in FLOAT_DTYPES:
+                _write_planes(out, data, tensor.element_size(), buffer)
+            else:
+                _write_plain(out, data)
+            written += data.nbytes
+            if not halfway_called and written * 2 >= total:
+                halfway_called = True
+                on_halfway()  # type: ignore[misc]
+    finally:
+        out.close()
     return out.raw_bytes
 
 
