@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from swarmnode import faults, rpc, rpc_client
@@ -80,12 +81,17 @@ def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
         metrics.fetch_bytes.inc(size)
         faults.hit("fetch_chunk")
 
-    async def fetch(peer: Announcement, target: Path) -> str:
+    async def fetch(peer: Announcement, target: Path, on_data: Callable[[bytes], Awaitable[None]]) -> str:
         """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
         (a node keeps training after it announces); returns the id of what was fetched and verified."""
         limit = int(run.state_bytes() * 1.25) + (4 << 20)
         get = functools.partial(
-            rpc_client.fetch_snapshot, peer.address, target, max_bytes=limit, on_bytes=count_fetched
+            rpc_client.fetch_snapshot,
+            peer.address,
+            target,
+            max_bytes=limit,
+            on_bytes=count_fetched,
+            on_data=on_data,
         )
         try:
             result = await get(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)

@@ -16,6 +16,7 @@ loss after vs. the loss the snapshot recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -26,17 +27,19 @@ from typing import Any
 
 from swarmnode.announcements import Announcement
 from swarmnode.checkpointer import quarantine
-from swarmnode.snapshot import SnapshotError, iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot_read import read_header, read_snapshot
+from swarmnode.feed import ByteFeed
+from swarmnode.snapshot import LoadedSnapshot, SnapshotError, iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_header, read_snapshot, read_snapshot_stream
 from swarmnode.training import TrainingRun
 
 logger = logging.getLogger(__name__)
 
 RECEIPTS_FILE = "receipts.jsonl"
 
-Fetcher = Callable[[Announcement, Path], Awaitable[str]]
-"""Downloads a peer's announced (or newer) snapshot to a path, verified against its id, and returns the
-id; raises on any failure with an exception that has a `reason` attribute (see rpc.PeerUnavailable)."""
+Fetcher = Callable[[Announcement, Path, Callable[[bytes], Awaitable[None]]], Awaitable[str]]
+"""Downloads a peer's announced (or newer) snapshot to a path, verified against its id, handing each
+arriving chunk to the callback too, and returns the id; raises on any failure with an exception that has
+a `reason` attribute (see rpc.PeerUnavailable)."""
 
 
 @dataclass
@@ -200,31 +203,43 @@ class Recovery:
         )
 
     async def _restore_peer(self, peer: Announcement, choose: CursorRule) -> Receipt:
+        """Fetch a peer's snapshot while a worker thread decodes and verifies it as it arrives (the
+        stages overlap), then adopt it."""
         incoming = self.snapshot_dir / ".incoming"
         incoming.mkdir(parents=True, exist_ok=True)
         target = incoming / f"from-{peer.node_id}.snap.zst"
+        feed = ByteFeed()
+        decoding = asyncio.create_task(asyncio.to_thread(self._decode, feed))
         started = time.perf_counter()
         try:
-            snapshot_id = await self.fetch(peer, target)
+            snapshot_id = await self.fetch(peer, target, feed.push)
+            feed.close()
             fetched = time.perf_counter()
-            receipt = await asyncio.to_thread(self._load_peer_file, peer, snapshot_id, choose, target)
+            loaded = await decoding
+            decoded = time.perf_counter()
+        except BaseException as exc:
+            feed.close(exc)
+            with contextlib.suppress(Exception):
+                await decoding
+            raise
         finally:
             target.unlink(missing_ok=True)
-        receipt.stages_s["fetch"] = fetched - started
+        if loaded.snapshot_id != snapshot_id:
+            raise SnapshotError("the decoded stream's sha256 differs from the fetched file's")
+        receipt = await asyncio.to_thread(self._adopt_peer_snapshot, peer, loaded, choose)
+        receipt.stages_s.update(fetch=fetched - started, verify=decoded - fetched)
         receipt.seconds = time.perf_counter() - started
         return receipt
 
-    def _load_peer_file(
-        self, peer: Announcement, snapshot_id: str, choose: CursorRule, path: Path
-    ) -> Receipt:
-        started = time.perf_counter()
-        loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
+    def _decode(self, feed: ByteFeed) -> LoadedSnapshot:
+        return read_snapshot_stream(feed, template=self.run.template())  # type: ignore[arg-type]
+
+    def _adopt_peer_snapshot(self, peer: Announcement, loaded: LoadedSnapshot, choose: CursorRule) -> Receipt:
         if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
             raise SnapshotError("its run digest differs from the one it announced")
-        verified = time.perf_counter()
+        started = time.perf_counter()
         cursor = choose(loaded.metadata)
         self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)
-        done = time.perf_counter()
         if cursor.cursor is None:
             logger.info(
                 "no cursor of this node's own survives: starting shard %d afresh", self.run.loader.shard
@@ -233,12 +248,12 @@ class Recovery:
             source="peer",
             snapshot_id=loaded.snapshot_id,
             peer=peer.address,
-            bytes=path.stat().st_size,
+            bytes=loaded.compressed_bytes,
             outer_step=self.run.progress.outer_step,
             inner_step=self.run.progress.inner_step,
             cursor=self.run.loader.state_dict(),
             cursor_source=cursor.source,
-            stages_s={"verify": verified - started, "load": done - verified},
+            stages_s={"load": time.perf_counter() - started},
             loss_before=loaded.metadata.get("last_loss"),
         )
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,7 @@ class _Download:
     max_bytes: int | None
     chunk_timeout_s: float
     on_bytes: Callable[[int], None] | None
+    on_data: Callable[[bytes], Awaitable[None]] | None = None
     meta: SnapshotMeta | None = None
 
     async def run(self, max_resumes: int) -> tuple[SnapshotMeta, int]:
@@ -267,6 +268,8 @@ class _Download:
         await self.part.write(data)
         if self.on_bytes is not None:
             self.on_bytes(len(data))
+        if self.on_data is not None:  # the file's bytes in order, once each (resumes continue them)
+            await self.on_data(data)
 
 
 async def fetch_snapshot(
@@ -279,6 +282,7 @@ async def fetch_snapshot(
     chunk_timeout_s: float = 10.0,
     max_resumes: int = 3,
     on_bytes: Callable[[int], None] | None = None,
+    on_data: Callable[[bytes], Awaitable[None]] | None = None,
 ) -> FetchResult:
     """Fetches a snapshot (by id; None: the peer's newest, or `expected_sha256` if given) from the
     peer at HOST:PORT into `out_path`, atomically and only once its sha256 equals the announced id
@@ -300,6 +304,7 @@ async def fetch_snapshot(
                 max_bytes=max_bytes,
                 chunk_timeout_s=chunk_timeout_s,
                 on_bytes=on_bytes,
+                on_data=on_data,
             )
             meta, resumes = await download.run(max_resumes)
             await part.commit(meta.snapshot_id)

@@ -115,6 +115,7 @@ class LoadedSnapshot:
     snapshot_id: str
     header: SnapshotHeader
     tensors: dict[str, torch.Tensor]
+    compressed_bytes: int = 0
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -227,15 +227,28 @@ def read_snapshot(
     decompress to (`MAX_EXPANSION` × its size), so a small lying file cannot make us allocate much.
     """
     with open_snapshot_file(path) as raw:
-        source = _HashingSource(raw)
-        stream = _Decompressed(source)
-        header = _read_header(stream)
         plausible = MAX_EXPANSION * path.stat().st_size + MAX_HEADER_BYTES
-        _check_limits(header, template, min(max_bytes, plausible))
-        buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
-        tensors = {e.name: _read_tensor(stream, e, buffer) for e in header.entries}
-        snapshot_id = _finish(stream, source, expected_id)
-    return LoadedSnapshot(snapshot_id, header, tensors)
+        return read_snapshot_stream(
+            raw, expected_id=expected_id, template=template, max_bytes=min(max_bytes, plausible)
+        )
+
+
+def read_snapshot_stream(
+    raw: BinaryIO,
+    *,
+    expected_id: str | None = None,
+    template: TensorTemplate | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> LoadedSnapshot:
+    """`read_snapshot` over any readable byte stream (e.g. a download still arriving)."""
+    source = _HashingSource(raw)
+    stream = _Decompressed(source)
+    header = _read_header(stream)
+    _check_limits(header, template, max_bytes)
+    buffer = np.empty(CHUNK_BYTES, dtype=np.uint8)
+    tensors = {e.name: _read_tensor(stream, e, buffer) for e in header.entries}
+    snapshot_id = _finish(stream, source, expected_id)
+    return LoadedSnapshot(snapshot_id, header, tensors, source.size)
 
 
 def verify_snapshot(
