@@ -78,7 +78,7 @@ class _FrameWriter:
         self.raw_bytes += memoryview(data).nbytes
 
     def whole_frame(self, data: np.ndarray) -> None:
-        """`data` (a buffer nobody else writes to) as one frame of its own."""
+        """`data` (possibly strided; nobody writes to it meanwhile) as one frame of its own."""
         self.end_frame()
         self._pending.append(self._pool.submit(self._compress, data))
         self.raw_bytes += data.nbytes
@@ -90,7 +90,7 @@ class _FrameWriter:
             compressor = self._local.compressor = zstandard.ZstdCompressor(
                 level=self._level, write_checksum=True
             )
-        return bytes(compressor.compress(data.data))
+        return bytes(compressor.compress(np.ascontiguousarray(data).data))
 
     def _drain(self, keep: int) -> None:
         while len(self._pending) > keep:
@@ -154,7 +154,7 @@ def _write_planes(out: _FrameWriter, data: np.ndarray, itemsize: int, buffer: np
     numel = len(columns)
     for plane in range(itemsize):
         if numel >= FRAME_MIN_BYTES:  # a frame of its own, compressed in parallel with the others
-            out.whole_frame(np.ascontiguousarray(columns[:, plane]))
+            out.whole_frame(columns[:, plane])  # gathered on the compressing thread
             continue
         for start in range(0, numel, len(buffer)):
             count = min(len(buffer), numel - start)
