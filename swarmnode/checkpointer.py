@@ -24,7 +24,13 @@ import torch
 
 from swarmnode import faults
 from swarmnode.metrics import Metrics
-from swarmnode.snapshot import SnapshotError, SnapshotInfo, iter_snapshot_files, sha256_file
+from swarmnode.snapshot import (
+    SnapshotError,
+    SnapshotInfo,
+    iter_snapshot_files,
+    lower_thread_priority,
+    sha256_file,
+)
 from swarmnode.snapshot_read import info_from_file
 from swarmnode.snapshot_write import write_snapshot
 
@@ -157,6 +163,7 @@ class SpeculativeCheckpointer:
     # ----- the writer thread -----
 
     def _writer_loop(self) -> None:
+        lower_thread_priority()
         while (job := self._jobs.get()) is not None:
             try:
                 self._write(job)

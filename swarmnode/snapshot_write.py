@@ -32,6 +32,7 @@ from swarmnode.snapshot import (
     ITEMSIZE,
     SUFFIX,
     SnapshotInfo,
+    lower_thread_priority,
     snapshot_file_name,
     tensor_bytes,
 )
@@ -65,7 +66,9 @@ class _FrameWriter:
         self._level, self._sink = level, sink
         self._compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
         self._local = threading.local()  # a ZstdCompressor is not safe to share between threads
-        self._pool = ThreadPoolExecutor(max(workers, 1), thread_name_prefix="zstd")
+        self._pool = ThreadPoolExecutor(
+            max(workers, 1), thread_name_prefix="zstd", initializer=lower_thread_priority
+        )
         self._pending: deque[Future[bytes]] = deque()
         self._frame: Any = None
         self.raw_bytes = 0
