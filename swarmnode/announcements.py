@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmnode.config import parse_host_port
+from swarmnode.data import parse_count, parse_cursor
 
 ANNOUNCE_TTL_S = 900.0
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -61,9 +62,9 @@ class Announcement:
                 node_id,
                 str(value["addr"]),
                 str(value["id"]),
-                _count(value["size"]),
-                _count(value["o"]),
-                _count(value["i"]),
+                parse_count(value["size"]),
+                parse_count(value["o"]),
+                parse_count(value["i"]),
                 str(value["kind"]),
                 float(value["t"]),
                 str(value["run"]),
@@ -80,15 +81,5 @@ class Announcement:
         return announcement if ok else None
 
 
-def _count(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"not a count: {value!r}")
-    return value
-
-
 def _cursor(value: Any) -> dict[str, int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) != {"shard", "epoch", "position"}:
-        raise ValueError(f"not a cursor: {value!r}")
-    return {k: _count(v) for k, v in value.items()}
+    return None if value is None else parse_cursor(value)

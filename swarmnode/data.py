@@ -98,6 +98,24 @@ def _token_file(path: Path) -> Corpus:
     return Corpus(tokens, vocab, digest.hexdigest(), f"tokens:{path}")
 
 
+def parse_count(value: Any) -> int:
+    """`value` if it is a non-negative int (not a bool); ValueError otherwise (peer input)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"not a count: {value!r}")
+    return value
+
+
+def parse_cursor(value: Any) -> dict[str, int]:
+    """A cursor from JSON (a peer's record, a snapshot's metadata): exactly shard, epoch and position,
+    each a count; ValueError otherwise."""
+    try:
+        if not isinstance(value, dict) or set(value) != {"shard", "epoch", "position"}:
+            raise ValueError
+        return {key: parse_count(count) for key, count in value.items()}
+    except ValueError:
+        raise ValueError(f"not a cursor: {value!r}") from None
+
+
 def shard_for_node(node_id: bytes, num_shards: int) -> int:
     """A node's shard, a pure function of its id (two nodes may share one; --shard overrides)."""
     return int.from_bytes(hashlib.sha256(b"swarmnode-shard\0" + node_id).digest()[:8], "big") % num_shards
@@ -138,12 +156,18 @@ class ShardLoader:
         return {"shard": self.shard, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        shard, epoch, position = int(state["shard"]), int(state["epoch"]), int(state["position"])
-        if shard != self.shard:
-            raise ValueError(f"cursor is for shard {shard}, this loader reads shard {self.shard}")
-        if epoch < 0 or not 0 <= position <= self.num_windows:
-            raise ValueError(f"cursor out of range: epoch {epoch}, position {position}")
-        self.epoch, self.position = epoch, position
+        self.epoch, self.position = self.check_state_dict(state)
+
+    def check_state_dict(self, state: Any) -> tuple[int, int]:
+        """(epoch, position) of a cursor this loader can resume; ValueError otherwise."""
+        cursor = parse_cursor(state)
+        if cursor["shard"] != self.shard:
+            raise ValueError(f"cursor is for shard {cursor['shard']}, this loader reads shard {self.shard}")
+        if cursor["position"] > self.num_windows:
+            raise ValueError(
+                f"cursor position {cursor['position']} beyond the shard's {self.num_windows} windows"
+            )
+        return cursor["epoch"], cursor["position"]
 
     def next_batch(self) -> Batch:
         if self.position + self.batch_size > self.num_windows:

@@ -24,25 +24,40 @@ class ByteFeed:
         self._chunks: deque[memoryview] = deque()
         self._buffered = 0
         self._done = False
+        self._abandoned = False
         self._error: BaseException | None = None
         self._ready = threading.Condition()
         self._drained = asyncio.Event()
         self._drained.set()
 
     async def push(self, data: bytes) -> None:
+        """Hand over a chunk; waits while the reader is `cap` behind. FeedClosed once the reader gave
+        up (its own failure is the real story: the caller should look there)."""
         with self._ready:
+            if self._abandoned:
+                raise FeedClosed("the reader stopped")
             self._chunks.append(memoryview(data))
             self._buffered += len(data)
             if self._buffered > self._cap:
                 self._drained.clear()
             self._ready.notify()
         await self._drained.wait()
+        if self._abandoned:
+            raise FeedClosed("the reader stopped")
 
     def close(self, error: BaseException | None = None) -> None:
         """No more bytes (or, with `error`, the download failed)."""
         with self._ready:
             self._done, self._error = True, error
             self._ready.notify_all()
+
+    def abandon(self) -> None:
+        """The reader's side: it stops reading (it failed); a waiting producer is released at once."""
+        with self._ready:
+            self._abandoned = True
+            self._chunks.clear()
+            self._buffered = 0
+        self._loop.call_soon_threadsafe(self._drained.set)
 
     def read(self, size: int = -1) -> bytes:
         with self._ready:

@@ -4,9 +4,9 @@ Each node appends to DATA_DIR/ledger.jsonl:
 - `{"event": "round", ...}` before every outer step: the cursor range [start, end) its inner phase
   trained (the node may die while its pseudo-gradient is on the wire: the range is then pending);
 - `{"event": "settle", ...}` after it: what became of the round: `applied` (averaged in a group),
-  `solo` (applied alone), `carried` (the step was skipped for low coverage: the work stays local
-  progress and rides in the next Δ), `held` (no group: not applied, and the next round's range
-  covers it again) or `dropped` (its global params had gone astray: trained again after a repair);
+  `solo` (applied alone), `carried` (the step was skipped for low coverage) or `held` (no group: not
+  applied) — in both the work stays local progress and the next round's range covers it again — or
+  `dropped` (its global params had gone astray: trained again after a repair);
 - `{"event": "adopt", ...}` whenever it takes a state and cursor from elsewhere (a start, a recovery,
   a repair): the cursor it continues from.
 
@@ -114,7 +114,7 @@ def check(entries: list[dict[str, Any]]) -> LedgerReport:
 def _settle(report: LedgerReport, status: str) -> None:
     if status == "dropped":  # trained again after the repair
         report.retrained.append(report.chain.pop())
-    elif status == "held":  # still local progress: the next round's range covers it again
+    elif status in ("held", "carried"):  # still local progress: the next round's range covers it again
         report.chain.pop()
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmnode import clock
-from swarmnode.config import parse_host_port
+from swarmnode.data import parse_count, parse_cursor
 from swarmnode.dht import DHTEntry
-from swarmnode.wire import GroupSpec, Member
+from swarmnode.wire import MAX_WEIGHT, GroupSpec, Member
 
 logger = logging.getLogger(__name__)
 
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 POLL_INTERVAL_S = 0.25
 PROPOSE_TIMEOUT_S = 3.0
 CLOCK_SKEW_ALLOWANCE_S = 300.0
@@ -72,8 +75,11 @@ class Offer:
 
     @classmethod
     def from_entry(cls, node_id: str, entry: DHTEntry) -> Offer | None:
+        """The offer in a peer's DHT value, or None when any field is malformed (a peer is never
+        trusted: every field is checked, so nothing can fail later when the group is built)."""
         value = entry.value
         try:
+            cursor = value.get("cur")
             offer = cls(
                 node_id,
                 str(value["addr"]),
@@ -81,13 +87,18 @@ class Offer:
                 str(value["run"]),
                 str(value["g"]),
                 float(value["w"]),
-                value.get("cur"),
-                int(value["o"]),
+                None if cursor is None else parse_cursor(cursor),
+                parse_count(value["o"]),
             )
-            parse_host_port(offer.address)
-        except (KeyError, TypeError, ValueError):
+            offer.member()  # validates the address, id, cursor and digest as the group spec will
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
-        return offer if offer.weight >= 0 and len(offer.global_digest) == 64 else None
+        sane = (
+            math.isfinite(offer.deadline)
+            and 0 <= offer.weight <= MAX_WEIGHT
+            and _HEX64.match(offer.run_digest)
+        )
+        return offer if sane else None
 
     def member(self) -> Member:
         return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)

@@ -54,6 +54,7 @@ class Node:
         self._stop = threading.Event()
         self._pending_receipt: Receipt | None = None
         self._repair_from: tuple[Offer, ...] = ()
+        self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self.last_round: RoundResult | None = None
         self.repairs = 0
 
@@ -188,7 +189,17 @@ class Node:
             if self._stop.is_set():
                 break
             self.phase = "outer"
-            await self._outer_step()
+            try:
+                await self._outer_step()
+            except Exception:  # a round must never take the daemon down: count it, go on
+                await self._round_failed()
+
+    async def _round_failed(self) -> None:
+        logger.exception("round %d failed; its work stays local progress", self.run_state.progress.outer_step)
+        self.metrics.round_failures.labels("error").inc()
+        if self._open_round is not None:  # the ledger's pending range is covered again by the next round
+            await asyncio.to_thread(self.ledger.settle, self._open_round, "held", 1, None)
+            self._open_round = None
 
     def _inner_phase(self) -> None:
         deadline = time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
@@ -206,32 +217,33 @@ class Node:
     async def _outer_step(self) -> None:
         run = self.run_state
         p = run.progress
-        round_step, delta = p.outer_step, run.trainer.pseudo_gradient()
-        assert p.committed_cursor is not None
-        self.ledger.round(round_step, p.committed_cursor, run.loader.state_dict())
+        round_step, start, end = p.outer_step, p.committed_cursor, run.loader.state_dict()
+        assert start is not None
+        delta, digest = await asyncio.to_thread(
+            lambda: (run.trainer.pseudo_gradient(), run.trainer.global_digest())
+        )
+        await asyncio.to_thread(self.ledger.round, round_step, start, end)
+        self._open_round = round_step
+        in_swarm = len(p.swarm_cursors.keys() - {self.node_id}) > 0
+        expected = await self.membership.expected_peers(p.outer_step)
         result = await self.rounds.average(
-            delta,
-            float(p.round_tokens),
-            round_step,
-            run.trainer.global_digest(),
-            run.loader.state_dict(),
-            await self.membership.expected_peers(p.outer_step),
-            in_swarm=len(p.swarm_cursors.keys() - {self.node_id}) > 0,
+            delta, float(p.round_tokens), round_step, digest, end, expected, in_swarm=in_swarm
         )
         self.last_round = result
-        if result.held:
-            self.ledger.settle(round_step, "held", 1, None)
-            return
-        if result.averaged is None:
-            self.ledger.settle(round_step, "dropped", len(result.group), None)
+        if result.held or result.averaged is None:
+            status = "held" if result.held else "dropped"
+            await asyncio.to_thread(self.ledger.settle, round_step, status, len(result.group), None)
+            self._open_round = None
             self._repair_from = result.repair_from
             return
-        await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
+        digest = await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
         if faults.hit("global_params", p.outer_step) is not None:  # test-only: make this node go astray
             run.trainer.global_flat[:16] += 1e-3
             run.trainer.global_changed()
+            digest = await asyncio.to_thread(run.trainer.global_digest)
         status = "carried" if not result.averaged.covered else "applied" if len(result.group) > 1 else "solo"
-        self.ledger.settle(round_step, status, len(result.group), run.trainer.global_digest())
+        await asyncio.to_thread(self.ledger.settle, round_step, status, len(result.group), digest)
+        self._open_round = None
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")
 

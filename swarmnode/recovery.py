@@ -27,8 +27,14 @@ from typing import Any
 
 from swarmnode.announcements import Announcement
 from swarmnode.checkpointer import quarantine
-from swarmnode.feed import ByteFeed
-from swarmnode.snapshot import LoadedSnapshot, SnapshotError, iter_snapshot_files, parse_snapshot_name
+from swarmnode.feed import ByteFeed, FeedClosed
+from swarmnode.snapshot import (
+    LoadedSnapshot,
+    SnapshotError,
+    SnapshotMismatch,
+    iter_snapshot_files,
+    parse_snapshot_name,
+)
 from swarmnode.snapshot_read import read_header, read_snapshot, read_snapshot_stream
 from swarmnode.training import TrainingRun
 
@@ -143,18 +149,21 @@ class Recovery:
                 return await asyncio.to_thread(self._restore_local, candidate.path)
             assert candidate.announcement is not None
             return await self._restore_peer(candidate.announcement, choose)
+        except SnapshotMismatch as exc:  # sound, but another configuration's: skip it, keep the file
+            if candidate.path is None:
+                self.on_failure("invalid")
+            failed.append(f"{candidate.describe()}: {exc}")
         except SnapshotError as exc:
             if candidate.path is not None:
                 quarantine(candidate.path, str(exc))
             else:
                 self.on_failure("invalid")
             failed.append(f"{candidate.describe()}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - any peer failure: count it, try the next candidate
-            reason = getattr(exc, "reason", None)
-            if reason is None:
-                raise
-            self.on_failure(reason)
-            failed.append(f"{candidate.describe()}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - whatever a peer or a disk does: count it, try the next
+            reason = getattr(exc, "reason", None) or "invalid"
+            if candidate.path is None:
+                self.on_failure(reason)
+            failed.append(f"{candidate.describe()}: {reason}: {exc}")
         logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
         return None
 
@@ -185,7 +194,7 @@ class Recovery:
         loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
         self.verified.add(loaded.snapshot_id)
         if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
-            raise SnapshotError("it belongs to another run configuration (run digest differs)")
+            raise SnapshotMismatch("it belongs to another run configuration (run digest differs)")
         verified = time.perf_counter()
         self.run.restore_own(loaded)
         done = time.perf_counter()
@@ -217,6 +226,9 @@ class Recovery:
             fetched = time.perf_counter()
             loaded = await decoding
             decoded = time.perf_counter()
+        except FeedClosed:  # the decoder failed first: its error is the one that explains
+            await decoding
+            raise
         except BaseException as exc:
             feed.close(exc)
             with contextlib.suppress(Exception):
@@ -232,11 +244,15 @@ class Recovery:
         return receipt
 
     def _decode(self, feed: ByteFeed) -> LoadedSnapshot:
-        return read_snapshot_stream(feed, template=self.run.template())  # type: ignore[arg-type]
+        try:
+            return read_snapshot_stream(feed, template=self.run.template())  # type: ignore[arg-type]
+        except BaseException:
+            feed.abandon()  # else a download the reader no longer drains would wait forever
+            raise
 
     def _adopt_peer_snapshot(self, peer: Announcement, loaded: LoadedSnapshot, choose: CursorRule) -> Receipt:
         if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
-            raise SnapshotError("its run digest differs from the one it announced")
+            raise SnapshotMismatch("its run digest differs from the one it announced")
         started = time.perf_counter()
         cursor = choose(loaded.metadata)
         self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)

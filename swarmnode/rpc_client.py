@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,11 @@ class _Broken(Exception):
         self.reason: FailureReason = reason
 
 
+MIN_TRANSFER_S = 60.0
+MIN_RATE_BYTES_S = 256 << 10
+"""A whole transfer may take a minute plus this rate over its size cap, no longer."""
+
+
 @dataclass
 class _Download:
     """One snapshot transfer from one peer, across resumed streams."""
@@ -177,6 +182,7 @@ class _Download:
     on_bytes: Callable[[int], None] | None
     on_data: Callable[[bytes], Awaitable[None]] | None = None
     meta: SnapshotMeta | None = None
+    started: float = field(default_factory=time.monotonic)
 
     async def run(self, max_resumes: int) -> tuple[SnapshotMeta, int]:
         """Streams until the announced size is in the part file; returns (metadata, resumes)."""
@@ -263,6 +269,10 @@ class _Download:
         if msg.offset != self.part.size:
             raise _Broken("truncated", f"chunk at offset {msg.offset}, expected {self.part.size}")
         data = msg.data
+        if not data:  # a peer dribbling empty messages would never end the transfer
+            raise _Broken("truncated", f"an empty chunk at byte {self.part.size}")
+        if time.monotonic() - self.started > MIN_TRANSFER_S + self.meta.size_bytes / MIN_RATE_BYTES_S:
+            raise SnapshotUnavailable("timeout", f"{self.address}: the transfer ran below the minimum rate")
         if self.part.size + len(data) > self.meta.size_bytes:
             raise SnapshotUnavailable("too_large", f"{self.address} sent more than the announced size")
         await self.part.write(data)

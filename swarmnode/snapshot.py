@@ -69,6 +69,11 @@ class SnapshotError(Exception):
     """A snapshot file is malformed, truncated, or does not match its id."""
 
 
+class SnapshotMismatch(SnapshotError):
+    """A sound snapshot of another configuration (other tensors, shapes or run digest): not this node's
+    to use, but nothing to quarantine either."""
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     """A complete, verified snapshot on disk, as the checkpointer lists and the gRPC server serves it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -33,6 +34,7 @@ from swarmnode.snapshot import (
     SnapshotError,
     SnapshotHeader,
     SnapshotInfo,
+    SnapshotMismatch,
     TensorEntry,
     TensorTemplate,
     open_snapshot_file,
@@ -92,8 +94,8 @@ class _Decompressed:
 def _parse_header(raw: bytes) -> SnapshotHeader:
     try:
         document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotError(f"header is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SnapshotError(f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(document, dict) or not isinstance(document.get("__metadata__"), dict):
         raise SnapshotError("header lacks __metadata__")
     info = document.pop("__metadata__")
@@ -178,23 +180,32 @@ def _read_header(stream: _Decompressed) -> SnapshotHeader:
     return _parse_header(stream.read_exact(length))
 
 
-def check_template(header: SnapshotHeader, template: TensorTemplate, optional_prefix: str = "rng/") -> None:
-    """Refuse a header whose tensors differ from what this model expects (before allocating any)."""
+OPTIONAL_TENSOR = re.compile(r"^rng/cuda/\d{1,2}$")
+"""Tensors a snapshot may hold beyond this model's (a GPU node's RNG states, read by a CPU node)."""
+OPTIONAL_TENSOR_MAX_BYTES = 64 << 10
+
+
+def check_template(header: SnapshotHeader, template: TensorTemplate) -> None:
+    """Refuse a header whose tensors differ from what this model expects (before allocating any):
+    every tensor of the template with its dtype and shape (CUDA RNG states optional), nothing else but
+    small CUDA RNG states."""
     stored = {e.name: e for e in header.entries}
     for name, (dtype, shape) in template.items():
         entry = stored.get(name)
         if entry is None:
-            if name.startswith(optional_prefix):
+            if OPTIONAL_TENSOR.match(name):
                 continue
-            raise SnapshotError(f"snapshot lacks tensor {name!r}")
+            raise SnapshotMismatch(f"snapshot lacks tensor {name!r}")
         if TORCH_DTYPES[entry.dtype] != dtype or entry.shape != tuple(shape):
-            raise SnapshotError(
-                f"tensor {name!r} is {entry.dtype}{list(entry.shape)}, this model "
-                f"expects {DTYPES[dtype]}{list(shape)}"
+            raise SnapshotMismatch(
+                f"tensor {name!r} is {entry.dtype}{list(entry.shape)}, this model expects "
+                f"{DTYPES[dtype]}{list(shape)}"
             )
-    extra = [n for n in stored if n not in template and not n.startswith(optional_prefix)]
-    if extra:
-        raise SnapshotError(f"snapshot has {len(extra)} tensors this model lacks, e.g. {extra[0]!r}")
+    for name, entry in stored.items():
+        if name not in template and not (
+            OPTIONAL_TENSOR.match(name) and entry.end - entry.begin <= OPTIONAL_TENSOR_MAX_BYTES
+        ):
+            raise SnapshotMismatch(f"snapshot has a tensor this model lacks: {name[:64]!r}")
 
 
 def _read_tensor(stream: _Decompressed, entry: TensorEntry, buffer: np.ndarray) -> torch.Tensor:
@@ -278,7 +289,7 @@ def read_header(path: Path) -> SnapshotHeader:
 def _check_limits(header: SnapshotHeader, template: TensorTemplate | None, max_bytes: int) -> None:
     if template is not None:
         check_template(header, template)
-    elif header.data_bytes > max_bytes:
+    if header.data_bytes > max_bytes:
         raise SnapshotError(f"declares {header.data_bytes} bytes of tensors, over the limit of {max_bytes}")
 
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from swarmnode import clock, faults
-from swarmnode.data import Corpus, ShardLoader
+from swarmnode.data import Corpus, ShardLoader, parse_count, parse_cursor
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.metrics import Metrics
 from swarmnode.model import ModelConfig, build_model
-from swarmnode.snapshot import LoadedSnapshot, TensorTemplate
+from swarmnode.snapshot import LoadedSnapshot, SnapshotError, TensorTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class Progress:
     last_loss: float | None = None
     heldout_loss: float | None = None
     committed_cursor: dict[str, int] | None = None
-    """The cursor at this round's start: every batch before it is in the global params (DESIGN §4)."""
+    """Where this node's batches in the global params end (DESIGN §4): the cursor after its last
+    applied round; the current round's batches, and those of skipped rounds, are local progress."""
     round_cursors: dict[str, dict[str, int]] | None = None
     """The last round's members' cursors after their inner phase (round metadata, DESIGN §4)."""
     swarm_cursors: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -154,22 +155,26 @@ class TrainingRun:
         averaged: AveragedDelta,
         round_cursors: dict[str, dict[str, int]],
         round_info: dict[str, Any] | None = None,
-    ) -> None:
-        """The outer step, then a new round; the held-out loss of the new global params is measured."""
+    ) -> str:
+        """The outer step, then a new round; the held-out loss of the new global params is measured.
+        A step that applied nothing (coverage below --min-coverage) leaves the round's work as local
+        progress: its tokens weigh in the next Δ and the committed cursor stays where it was. Returns
+        the new global digest (hashed here, off the event loop)."""
         self.trainer.outer_step(averaged)
         p = self.progress
         p.outer_step += 1
         p.round_step = 0
-        p.round_tokens = 0
-        p.committed_cursor = self.loader.state_dict()
-        p.round_cursors = round_cursors
-        if averaged.covered:  # a skipped step keeps the round's batches as local progress, not in θ_g
+        if averaged.covered:
+            p.round_tokens = 0
+            p.committed_cursor = self.loader.state_dict()
             p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
+        p.round_cursors = round_cursors
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
         self.metrics.outer_step.set(p.outer_step)
         self.metrics.heldout_loss.set(p.heldout_loss)
+        return self.trainer.global_digest()
 
     # ----- the state as a snapshot -----
 
@@ -208,9 +213,31 @@ class TrainingRun:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
+    def check_metadata(self, meta: dict[str, Any], own: bool) -> None:
+        """SnapshotError unless a snapshot's metadata is sound: checked before anything is restored, so
+        a malformed snapshot (a peer is never trusted) leaves this node's state untouched."""
+        try:
+            for key in ("outer_step", "inner_step", "round_step", "round_tokens", "tokens"):
+                parse_count(meta.get(key, 0))
+            parse_count(meta["optimizer"]["adam_step"])
+            for key in ("last_loss", "heldout_loss"):
+                if meta.get(key) is not None and not isinstance(meta[key], int | float):
+                    raise ValueError(f"{key} is not a number")
+            for key in ("swarm_cursors", "round_cursors"):
+                for node_id, cursor in (meta.get(key) or {}).items():
+                    if not isinstance(node_id, str):
+                        raise ValueError(f"{key} has a non-string node id")
+                    parse_cursor(cursor)
+            if own:
+                self.loader.check_state_dict(meta["cursor"])
+                self.loader.check_state_dict(meta["committed_cursor"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SnapshotError(f"malformed snapshot metadata: {exc}") from None
+
     def restore_own(self, snapshot: LoadedSnapshot) -> None:
         """Continue exactly where this node's own snapshot left off (bitwise on CPU)."""
         meta = snapshot.metadata
+        self.check_metadata(meta, own=True)
         self.trainer.load_state(snapshot.tensors, meta["optimizer"])
         self.loader.load_state_dict(meta["cursor"])
         self._restore_progress(meta, keep_round=True)
@@ -222,6 +249,9 @@ class TrainingRun:
         optimizer's moments (a warm start); the local model restarts the round from the global params,
         the RNG stays this node's own, and the data position is this node's `cursor` (None: afresh)."""
         meta = snapshot.metadata
+        self.check_metadata(meta, own=False)
+        if cursor is not None:
+            self.loader.check_state_dict(cursor)
         self.trainer.load_state(snapshot.tensors, meta["optimizer"], restore_rng=False)
         self.trainer.reset_local_to_global()
         if cursor is not None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from swarmnode.config import parse_host_port
+from swarmnode.data import parse_cursor
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
 from swarmnode.rpc import CHUNK_BYTES, encode_data_chunk
@@ -149,17 +151,13 @@ class Member:
     def __post_init__(self) -> None:
         if not _HEX.fullmatch(self.node_id):
             raise ValueError(f"member node id must be 1-128 lowercase hex digits, got {self.node_id!r}")
-        host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(self.address) > 256:
-            raise ValueError(f"member address must be HOST:PORT, got {self.address!r}")
-        if not math.isfinite(self.weight) or len(self.global_digest) > 128:
+        if len(self.address) > 256:
+            raise ValueError(f"member address too long: {self.address[:64]!r}…")
+        parse_host_port(self.address)
+        if not 0 <= self.weight <= MAX_WEIGHT or len(self.global_digest) > 128:  # NaN fails too
             raise ValueError(f"member {self.node_id}: bad weight or digest")
-        cursor = self.cursor
-        if cursor is not None and (
-            sorted(cursor) != sorted(CURSOR_KEYS)
-            or not all(type(v) is int and v >= 0 for v in cursor.values())
-        ):
-            raise ValueError(f"member {self.node_id}: cursor must map {CURSOR_KEYS} to ints >= 0: {cursor}")
+        if self.cursor is not None:
+            parse_cursor(self.cursor)
 
 
 @dataclass(frozen=True)

@@ -35,3 +35,19 @@ def test_a_failed_download_fails_the_reader() -> None:
             await asyncio.to_thread(feed.read, 10)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_reader_that_gives_up_releases_a_waiting_producer() -> None:
+    async def scenario() -> None:
+        feed = ByteFeed(cap_bytes=1000)
+        await feed.push(b"x" * 500)
+        waiting = asyncio.create_task(feed.push(b"y" * 5000))  # over the cap: waits for the reader
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await asyncio.to_thread(feed.abandon)
+        with pytest.raises(FeedClosed):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(FeedClosed):
+            await feed.push(b"z")
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

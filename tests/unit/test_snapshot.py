@@ -14,7 +14,7 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from swarmnode.snapshot import SnapshotError, parse_snapshot_name
+from swarmnode.snapshot import SnapshotError, SnapshotMismatch, parse_snapshot_name
 from swarmnode.snapshot_read import read_header, read_snapshot, verify_snapshot
 from swarmnode.snapshot_write import write_snapshot
 
@@ -207,10 +207,40 @@ def test_template_refuses_foreign_tensor_sets(tmp_path: Path) -> None:
         read_snapshot(info.path, template={"a": (torch.float32, (5,))})
     with pytest.raises(SnapshotError, match="lacks"):
         read_snapshot(info.path, template={"a": (torch.float32, (4,)), "b": (torch.float32, (1,))})
-    loaded = read_snapshot(
-        info.path, template={"a": (torch.float32, (4,)), "rng/cuda/0": (torch.uint8, (16,))}
-    )
+    template = {
+        "a": (torch.float32, (4,)),
+        "rng/torch": (torch.uint8, (3,)),
+        "rng/cuda/0": (torch.uint8, (16,)),
+    }
+    loaded = read_snapshot(info.path, template=template)  # a CPU node's snapshot read by a GPU node
     assert set(loaded.tensors) == {"a", "rng/torch"}
+    gpu, _ = write_snapshot(
+        tmp_path,
+        {
+            "a": torch.zeros(4),
+            "rng/torch": torch.zeros(3, dtype=torch.uint8),
+            "rng/cuda/0": torch.zeros(16, dtype=torch.uint8),
+        },
+        META,
+        kind="cold",
+    )
+    cpu_template = {"a": (torch.float32, (4,)), "rng/torch": (torch.uint8, (3,))}
+    assert set(read_snapshot(gpu.path, template=cpu_template).tensors) == {"a", "rng/torch", "rng/cuda/0"}
+
+
+def test_a_peer_cannot_smuggle_a_huge_extra_tensor_past_the_template(tmp_path: Path) -> None:
+    big = {
+        "a": torch.zeros(4),
+        "rng/torch": torch.zeros(3, dtype=torch.uint8),
+        "rng/evil": torch.zeros(1 << 20, dtype=torch.uint8),
+        "rng/cuda/1": torch.zeros(1 << 20, dtype=torch.uint8),
+    }
+    template = {"a": (torch.float32, (4,)), "rng/torch": (torch.uint8, (3,))}
+    for extra in ("rng/evil", "rng/cuda/1"):
+        state = {k: v for k, v in big.items() if k in ("a", "rng/torch", extra)}
+        info, _ = write_snapshot(tmp_path / extra.replace("/", "_"), state, META, kind="hot")
+        with pytest.raises(SnapshotMismatch, match="lacks"):
+            read_snapshot(info.path, template=template)
 
 
 def test_header_alone_is_cheap_to_read(tmp_path: Path) -> None:
