@@ -199,7 +199,7 @@ class _Butterfly:
         for attempt in itertools.count():
             call = channel.stream_stream(
                 EXCHANGE_METHOD,
-                request_serializer=wire.serialize,
+                request_serializer=rpc.serialize,
                 response_deserializer=pb.AveragedPart.FromString,
             )()
             writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")

@@ -103,16 +103,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def best_of(repeats: int, fn: Callable[[], Any]) -> float:
-    """Fastest of `repeats` timed calls (the least disturbed by the machine's other work)."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
     fn()

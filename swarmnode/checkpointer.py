@@ -30,6 +30,7 @@ from swarmnode.snapshot import (
     iter_snapshot_files,
     lower_thread_priority,
     sha256_file,
+    tensor_bytes,
 )
 from swarmnode.snapshot_read import info_from_file
 from swarmnode.snapshot_write import write_snapshot
@@ -67,12 +68,8 @@ def _copy_bytes(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """A single-threaded memcpy. torch's `copy_` forks and joins its intra-op threads for every tensor,
     and on a loaded 2-core volunteer one descheduled thread then stalls every copy (measured: median
     stall 78 ms with torch's 2 threads vs 37 ms single-threaded for the small preset under load)."""
-    np.copyto(_raw(target), _raw(source))
+    np.copyto(tensor_bytes(target), tensor_bytes(source))
     return target
-
-
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 class StagingBuffers:
@@ -106,10 +103,6 @@ class StagingBuffers:
             buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
             self._buffers[name] = buffer
         return buffer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 class SpeculativeCheckpointer:
@@ -299,10 +292,6 @@ class SpeculativeCheckpointer:
         if snapshot_id is None:
             return snapshots[-1] if snapshots else None
         return next((s for s in snapshots if s.snapshot_id == snapshot_id), None)
-
-    def forget(self, snapshot_id: str) -> None:
-        with self._lock:
-            self._snapshots = [s for s in self._snapshots if s.snapshot_id != snapshot_id]
 
     def newest_created_at(self) -> float | None:
         snapshots = self.list_snapshots()

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import ipaddress
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -437,9 +437,3 @@ def _from_toml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"--config: unknown key {key!r} in {str(path)!r}")
         values[flag.field] = _parse(flag, raw, source=f"{path.name}:{key}")
     return values
-
-
-def flag_table() -> Sequence[tuple[str, str, str, str]]:
-    """(option, env, default, help) rows, for the README/docs."""
-    defaults = NodeConfig.__dataclass_fields__
-    return [(f.option, f.env, _show(defaults[f.field].default), f.help) for f in FLAGS]

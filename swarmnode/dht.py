@@ -49,6 +49,7 @@ from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 
 from swarmnode import clock
+from swarmnode.config import parse_host_port
 from swarmnode.dht_records import (
     MAX_RECORD_BYTES,
     MAX_SEQ,
@@ -481,11 +482,10 @@ class _SwarmServer(Server):
 
 def parse_peer(peer: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) as (host, port); ValueError when it is not one."""
-    host, sep, port_text = peer.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"DHT peer {peer!r} is not HOST:PORT")
-    return host, int(port_text)
+    try:
+        return parse_host_port(peer.strip())
+    except ValueError:
+        raise ValueError(f"DHT peer {peer!r} is not HOST:PORT") from None
 
 
 async def resolve_peers(peers: Sequence[str], family: int, timeout_s: float) -> list[tuple[str, int]]:

@@ -3,7 +3,7 @@ Training of Language Models", Algorithm 1).
 
 Each worker keeps the global parameters θ_g (flat fp32, on the CPU, where the network wants them) and its
 local model θ. The inner phase runs AdamW on θ. The pseudo-gradient is Δ = θ_g − θ; the swarm averages Δ
-(an `Averager`), and the outer step is SGD with Nesterov momentum on θ_g with the average as its
+(`rounds.SwarmRounds`), and the outer step is SGD with Nesterov momentum on θ_g with the average as its
 gradient; then θ ← θ_g. The inner optimizer's state stays with the worker across rounds.
 
 Averaging may cover only parts of Δ (a peer died): on an uncovered range nobody moves θ_g or its momentum,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,19 +52,6 @@ class AveragedDelta:
     @property
     def coverage(self) -> float:
         return sum(b - a for a, b in self.covered) / max(self.delta.numel(), 1)
-
-
-class Averager(Protocol):
-    """Averages pseudo-gradients across the swarm for one outer step."""
-
-    async def average(self, delta: torch.Tensor, weight: float, outer_step: int) -> AveragedDelta: ...
-
-
-class SoloAverager:
-    """The group of one: the average of one Δ is itself."""
-
-    async def average(self, delta: torch.Tensor, weight: float, outer_step: int) -> AveragedDelta:
-        return AveragedDelta(delta, ((0, delta.numel()),), 1)
 
 
 @dataclass(frozen=True)

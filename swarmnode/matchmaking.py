@@ -184,7 +184,6 @@ class Matchmaker:
     async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
         offers = {own.node_id: own}
-        # Stop early once every peer this node expects has offered (0: expect nobody in particular).
         # Stop early once every peer this node expects has offered (none expected: wait the deadline).
         while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
             if self._proposal.done():

@@ -259,8 +259,10 @@ class Node:
         if not ahead:
             return False
         self.phase = "repairing"
-        if await self.recovery.repair(ahead) is None:
+        behind = not agreeing  # a straggler must move ahead; a node astray may stay at its step
+        if await self.recovery.repair(ahead, p.outer_step + 1 if behind else p.outer_step) is None:
             return False
+        self.rounds.reset_hold()
         self.repairs += 1
         self.ledger.adopt(self.run_state.loader.state_dict(), "repair", p.outer_step)
         self.metrics.repairs.inc()

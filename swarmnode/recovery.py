@@ -27,6 +27,7 @@ from typing import Any
 
 from swarmnode.announcements import Announcement
 from swarmnode.checkpointer import quarantine
+from swarmnode.data import parse_count
 from swarmnode.feed import ByteFeed, FeedClosed
 from swarmnode.snapshot import (
     LoadedSnapshot,
@@ -167,14 +168,17 @@ class Recovery:
         logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
         return None
 
-    async def repair(self, peers: list[Announcement]) -> Receipt | None:
-        """Adopt the freshest of `peers`' snapshots that verifies (a catch-up during training). The data
-        cursor becomes this node's record in the adopted lineage, so work the swarm never received is
-        trained again; step counters are kept."""
+    async def repair(self, peers: list[Announcement], min_outer_step: int) -> Receipt | None:
+        """Adopt the freshest of `peers`' snapshots that verifies and is at least at `min_outer_step`
+        (an announcement is only a claim: the snapshot itself must be that far). The data cursor
+        becomes this node's record in the adopted lineage, so work the swarm never received is trained
+        again; step counters are kept. A catch-up during training: no receipt is written."""
         steps = (self.run.progress.inner_step, self.run.progress.tokens)
 
         def lineage_or_fresh(meta: dict[str, Any]) -> CursorChoice:
             """Only batches the adopted θ_g holds count: this node's record in its lineage, else none."""
+            if parse_count(meta.get("outer_step")) < min_outer_step:
+                raise SnapshotError(f"the peer's snapshot is not at outer step {min_outer_step} as announced")
             mine = (meta.get("swarm_cursors") or {}).get(self.run.identity.node_id)
             if mine and _is_own_shard(mine, self.run.loader.shard):
                 return CursorChoice(mine, "round_metadata", steps)

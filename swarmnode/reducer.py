@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import torch
 
-from swarmnode import wire
+from swarmnode import rpc, wire
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.wire import GroupSpec
 
@@ -222,7 +222,7 @@ class AveragingServicer:
             "Exchange": grpc.stream_stream_rpc_method_handler(
                 self.Exchange,
                 request_deserializer=pb.Contribution.FromString,
-                response_serializer=wire.serialize,
+                response_serializer=rpc.serialize,
             ),
         }
         name = pb.DESCRIPTOR.services_by_name["AveragingService"].full_name

@@ -101,6 +101,10 @@ class SwarmRounds:
         self._held = 0
         return await self._allreduce(outcome.group, delta, weight, started)
 
+    def reset_hold(self) -> None:
+        """After a repair this node is with the swarm again: a later round without a group holds first."""
+        self._held = 0
+
     def _alone(
         self,
         delta: torch.Tensor,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import grpc
 
+from swarmnode.config import parse_host_port
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.security import CredentialsInterceptor, Security
 from swarmnode.snapshot import SnapshotInfo
@@ -208,10 +209,16 @@ class SnapshotUnavailable(PeerUnavailable):
 
 def _check_address(address: str) -> str:
     """Returns `address` if it is HOST:PORT; raises ValueError (bad user input) otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer address must be HOST:PORT, got {address!r}")
+    try:
+        parse_host_port(address)
+    except ValueError:
+        raise ValueError(f"peer address must be HOST:PORT, got {address!r}") from None
     return address
+
+
+def serialize(message: bytes | Any) -> bytes:
+    """A message for a gRPC stream whose data chunks come pre-encoded (`encode_data_chunk`)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 _client_security = Security()

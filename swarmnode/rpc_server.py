@@ -38,6 +38,7 @@ from swarmnode.rpc import (
     SnapshotMeta,
     encode_data_chunk,
     meta_to_pb,
+    serialize,
     status_to_pb,
 )
 from swarmnode.security import Security, ServerGuard
@@ -74,10 +75,6 @@ class _FileChanged(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _serialize_chunk(message: bytes | pb.FetchSnapshotChunk) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class _ChunkReader:
@@ -295,7 +292,7 @@ def _register_snapshot_service(servicer: _SnapshotServicer, server: grpc.aio.Ser
         "FetchSnapshot": grpc.unary_stream_rpc_method_handler(
             servicer.FetchSnapshot,
             request_deserializer=pb.FetchSnapshotRequest.FromString,
-            response_serializer=_serialize_chunk,
+            response_serializer=serialize,
         ),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
             servicer.GetStatus,

@@ -123,7 +123,8 @@ def _matchmaker(
 
 def _start_metrics(stack: contextlib.AsyncExitStack, cfg: NodeConfig, metrics: Metrics) -> int:
     server, _thread = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
-    stack.callback(server.shutdown)
+    stack.callback(server.server_close)
+    stack.callback(server.shutdown)  # runs first: stop serving, then close the socket
     return server.server_port
 
 

@@ -255,11 +255,6 @@ def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
 # The messages of an `Exchange` call (see averaging.proto)
 
 
-def serialize(message: bytes | Any) -> bytes:
-    """A message for a gRPC stream whose data chunks come pre-encoded (`chunk_messages`)."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 def chunk_messages(image: memoryview) -> Iterator[tuple[bytes, int]]:
     """The image as `(offset, data)` chunk messages (`Contribution` and `AveragedPart` share the
     layout) in protobuf wire format, each with its payload size; built one at a time, one copy each."""
