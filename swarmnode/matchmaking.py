@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 POLL_INTERVAL_S = 0.25
 PROPOSE_TIMEOUT_S = 3.0
+FROZEN_GRACE_S = 1.0
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -61,9 +63,10 @@ class Offer:
     weight: float
     cursor: dict[str, int] | None
     outer_step: int
+    frozen: bool = False  # set by a leader once it froze its group: late offers are too late
 
     def to_value(self) -> dict[str, Any]:
-        return {
+        value = {
             "addr": self.address,
             "dl": round(self.deadline, 3),
             "run": self.run_digest,
@@ -72,6 +75,9 @@ class Offer:
             "cur": self.cursor,
             "o": self.outer_step,
         }
+        if self.frozen:
+            value["fz"] = True
+        return value
 
     @classmethod
     def from_entry(cls, node_id: str, entry: DHTEntry) -> Offer | None:
@@ -89,6 +95,7 @@ class Offer:
                 float(value["w"]),
                 None if cursor is None else parse_cursor(cursor),
                 parse_count(value["o"]),
+                value.get("fz") is True,
             )
             offer.member()  # validates the address, id, cursor and digest as the group spec will
         except (KeyError, TypeError, ValueError, OverflowError):
@@ -111,6 +118,7 @@ class Outcome:
     group: GroupSpec | None  # None: alone this round
     repair_from: tuple[Offer, ...] = ()  # non-empty: this node's global digest is in the minority
     reason: str = ""
+    missed: bool = False  # the round's group formed without this node: the swarm is moving ahead
 
 
 class Matchmaker:
@@ -133,6 +141,7 @@ class Matchmaker:
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
         self._open_round: int | None = None
         self._proposal: asyncio.Future[GroupSpec] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
 
     # ----- the proposal side (called by the averaging servicer) -----
 
@@ -161,7 +170,8 @@ class Matchmaker:
         expected_peers: frozenset[str],
     ) -> Outcome:
         """Publish this node's offer for `outer_step` and settle the round's group."""
-        deadline = clock.now() + self.timeout_s
+        # Rounded as it travels, so that every node ranks this offer by the very same deadline.
+        deadline = round(clock.now() + self.timeout_s, 3)
         own = Offer(
             self.node_id, self.address, deadline, self.run_digest, global_digest, weight, cursor, outer_step
         )
@@ -195,6 +205,10 @@ class Matchmaker:
             return Outcome(self._proposal.result())
         offers.update(await self._read_offers(key, own.outer_step))
         return await self._decide(own, list(offers.values()))
+
+    async def peer_offers(self, outer_step: int) -> dict[str, Offer]:
+        """The peers' current offers for round `outer_step` (of this run's configuration)."""
+        return await self._read_offers(round_key(self.run_id), outer_step)
 
     async def _read_offers(self, key: str, outer_step: int) -> dict[str, Offer]:
         entries = await self.dht.get(key)
@@ -241,6 +255,7 @@ class Matchmaker:
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         others = [o for o in ordered if o.node_id != own.node_id]
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
+        self._mark_frozen(own)
         refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
         if refused:
             logger.warning(
@@ -250,13 +265,42 @@ class Matchmaker:
             )
         return Outcome(spec)
 
+    def _mark_frozen(self, own: Offer) -> None:
+        """Tell late comers (in the background) that this round's group is closed, so that they stop
+        waiting for a proposal that will not come."""
+        frozen = dataclasses.replace(own, frozen=True)
+        ttl = 2 * self.timeout_s + CLOCK_SKEW_ALLOWANCE_S
+        task = asyncio.create_task(self.dht.publish(round_key(self.run_id), frozen.to_value(), ttl))
+        self._background.add(task)
+        task.add_done_callback(self._published)
+
+    def _published(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("frozen-group mark not published: %s", task.exception())
+
     async def _follow(self, leader: Offer) -> Outcome:
+        """Wait for the leader's proposal until its deadline plus a grace period, or until the leader
+        is seen to have frozen its group (or moved to a later round) without proposing to this node."""
         assert self._proposal is not None
-        grace = max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
-        try:
-            return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), grace))
-        except TimeoutError:
-            return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+        give_up = time.monotonic() + max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
+        key, closed = round_key(self.run_id), False
+        while time.monotonic() < give_up:
+            with contextlib.suppress(asyncio.TimeoutError):
+                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S))
+            entry = (await self.dht.get(key)).get(leader.node_id)
+            now = Offer.from_entry(leader.node_id, entry) if entry is not None else None
+            closed = now is not None and (
+                now.outer_step > leader.outer_step or (now.outer_step == leader.outer_step and now.frozen)
+            )
+            if closed:  # a proposal already sent is in flight: give it a moment
+                give_up = min(give_up, time.monotonic() + FROZEN_GRACE_S)
+        if self._proposal.done():
+            return Outcome(self._proposal.result())
+        if closed:
+            reason = f"leader {leader.node_id[:12]} closed the group without this node"
+            return Outcome(None, reason=reason, missed=True)
+        return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
 
 
 def _rank(offer: Offer) -> tuple[float, str]:

@@ -126,15 +126,19 @@ class Membership:
             return None
         return frozenset(a.node_id for a in await self.peers() if a.outer_step >= outer_step - 1)
 
-    async def repair_sources(self, outer_step: int, agreeing: set[str]) -> tuple[list[Announcement], str]:
+    async def repair_sources(
+        self, outer_step: int, agreeing: set[str], missed: bool = False
+    ) -> tuple[list[Announcement], str]:
         """The members to repair from, freshest first, and why; no members when no repair is due.
 
         `agreeing` are the members of a round whose global params disagreed with this node's: it waits
         for one of them to finish the round's outer step, else takes their current snapshots.
+        `missed`: the round's group formed without this node; it waits for a member to announce the
+        step the swarm is taking, rather than train a round the swarm has closed.
         """
         peers = await self.peers()
         ahead = [a for a in peers if a.outer_step > outer_step]
-        if agreeing and not ahead:  # the majority may still be finishing the round's outer step
+        if (agreeing or missed) and not ahead:  # the swarm may still be finishing the round's outer step
             ahead = await self._wait_for_peers_ahead(outer_step) or [
                 a for a in peers if a.node_id in agreeing
             ]

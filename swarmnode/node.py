@@ -39,6 +39,9 @@ from swarmnode.training import RunIdentity, TrainingRun, run_digest
 
 logger = logging.getLogger(__name__)
 
+REJOIN_POLL_S = 0.25
+"""How often a repaired node checks whether the swarm closed the round it rejoined."""
+
 
 class Node:
     """One swarm member. `run()` returns the process exit code."""
@@ -54,6 +57,7 @@ class Node:
         self._stop = threading.Event()
         self._pending_receipt: Receipt | None = None
         self._repair_from: tuple[Offer, ...] = ()
+        self._missed_round = False
         self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self.last_round: RoundResult | None = None
         self.repairs = 0
@@ -181,10 +185,10 @@ class Node:
 
     async def _round_loop(self) -> None:
         while not self._finished():
-            # A repaired node adopted a round the swarm is already training: it joins that round's outer
-            # step at once, with no work of its own (weight 0), rather than trail a round behind forever.
-            if not await self._catch_up():
-                self.phase = "inner"
+            self.phase = "inner"
+            if await self._catch_up():
+                await self._rejoin_phase()
+            else:
                 await asyncio.to_thread(self._inner_phase)
             if self._stop.is_set():
                 break
@@ -201,9 +205,32 @@ class Node:
             await asyncio.to_thread(self.ledger.settle, self._open_round, "held", 1, None)
             self._open_round = None
 
-    def _inner_phase(self) -> None:
+    def _inner_phase(self, stop: threading.Event | None = None) -> None:
         deadline = time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
-        self.run_state.inner_phase(self.cfg.inner_steps, deadline, self._stop, self._after_inner_step)
+        self.run_state.inner_phase(self.cfg.inner_steps, deadline, stop or self._stop, self._after_inner_step)
+
+    async def _rejoin_phase(self) -> None:
+        """A repaired node adopted a round the swarm is training: it trains that round only until the
+        members offer for it (their inner phase is over), then joins its outer step with the tokens
+        it did (none when they already offer), rather than trail a round behind forever."""
+        closing = threading.Event()
+        round_step = self.run_state.progress.outer_step
+
+        async def watch() -> None:
+            while not closing.is_set():
+                if self._stop.is_set() or await self.rounds.matchmaker.peer_offers(round_step):
+                    closing.set()
+                    return
+                await asyncio.sleep(REJOIN_POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.to_thread(self._inner_phase, closing)
+        finally:
+            closing.set()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
 
     def _after_inner_step(self) -> None:
         p = self.run_state.progress
@@ -234,7 +261,7 @@ class Node:
             status = "held" if result.held else "dropped"
             await asyncio.to_thread(self.ledger.settle, round_step, status, len(result.group), None)
             self._open_round = None
-            self._repair_from = result.repair_from
+            self._repair_from, self._missed_round = result.repair_from, result.missed
             return
         digest = await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
         if faults.hit("global_params", p.outer_step) is not None:  # test-only: make this node go astray
@@ -253,9 +280,9 @@ class Node:
         """Before an inner phase: if this node's global params went astray (a digest in the minority) or
         its outer step is behind the swarm's, adopt an up-to-date member's snapshot (a repair)."""
         p = self.run_state.progress
-        agreeing = {o.node_id for o in self._repair_from}
-        self._repair_from = ()
-        ahead, why = await self.membership.repair_sources(p.outer_step, agreeing)
+        agreeing, missed = {o.node_id for o in self._repair_from}, self._missed_round
+        self._repair_from, self._missed_round = (), False
+        ahead, why = await self.membership.repair_sources(p.outer_step, agreeing, missed)
         if not ahead:
             return False
         self.phase = "repairing"

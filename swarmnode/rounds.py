@@ -44,6 +44,7 @@ class RoundResult:
     note: str = ""
     weights: dict[str, float] = field(default_factory=dict)  # members' token weights
     held: bool = False  # no group: the outer step is held (not applied, round counter unchanged)
+    missed: bool = False  # the group formed without this node: it is behind and should catch up
 
     def info(self) -> dict[str, object]:
         """The round as it is kept in snapshot metadata."""
@@ -96,6 +97,14 @@ class SwarmRounds:
                 "round %d: %s; skipping the outer step and repairing from a peer", outer_step, outcome.reason
             )
             return RoundResult(None, repair_from=outcome.repair_from, note=outcome.reason)
+        if outcome.missed:  # the swarm is here and a step ahead: hold, catch up, never go alone
+            self.metrics.round_failures.labels("no_partners").inc()
+            logger.warning("round %d: %s; holding the outer step and catching up", outer_step, outcome.reason)
+            held = AveragedDelta(delta, (), 1)
+            seconds = time.perf_counter() - started
+            return RoundResult(
+                held, (self.node_id,), {}, 0.0, seconds, note=outcome.reason, held=True, missed=True
+            )
         if outcome.group is None:
             return self._alone(delta, weight, outer_step, cursor, started, outcome.reason, in_swarm)
         self._held = 0

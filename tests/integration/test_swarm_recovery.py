@@ -50,8 +50,15 @@ def test_killed_node_without_snapshots_recovers_from_a_neighbour(tmp_path: Path,
     assert receipt["source"] == "peer"
     assert receipt["peer"] in {n.grpc_address for n in nodes[:2]}
     assert len(receipt["snapshot_id"]) == 64 and receipt["bytes"] > 0
-    # the swarm's record of the victim (round metadata) and its own last announcement agree
-    assert receipt["cursor_source"] in ("round_metadata", "announcement") and receipt["cursor"] == last.cursor
+    # The swarm's record of the victim (round metadata: how far its batches are in θ_g) is exact; its
+    # own last announcement may lag it (announcements in flight at the kill are lost), never lead it.
+    assert receipt["cursor_source"] in ("round_metadata", "announcement"), receipt
+    cursor, announced = receipt["cursor"], last.cursor
+    assert (cursor["shard"], cursor["epoch"]) == (announced["shard"], announced["epoch"])
+    if receipt["cursor_source"] == "announcement":
+        assert cursor == announced
+    else:
+        assert cursor["position"] >= announced["position"], (cursor, announced)
     assert set(receipt["stages_s"]) >= {"lookup", "fetch", "verify", "load"}
     status = wait_for(
         lambda: (s := node_status(victim))["inner_step"] > receipt["inner_step"] and s,
@@ -89,10 +96,16 @@ def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tm
     ).start()
     receipt = wait_for(lambda: read_receipts(joiner.data_dir), 90, "the joiner's receipt")[0]
     assert receipt["source"] == "peer" and receipt["peer"] == honest.grpc_address, receipt
-    failures = " ".join(receipt["failed_candidates"])
-    assert "hash_mismatch" in failures and "truncated" in failures
+    failed = {c.split(" ", 1)[0]: c for c in receipt["failed_candidates"]}
+    assert "truncated" in failed[nodes[2].grpc_address]
+    # A corrupted stream is caught by the decoder as it arrives, or by the sha256 at its end.
+    assert any(w in failed[nodes[1].grpc_address] for w in ("hash_mismatch", "corrupt")), failed
     text = scrape(joiner)
-    assert metric_value(text, "swarmnode_fetch_failures_total", 'reason="hash_mismatch"') >= 1
+    refused = sum(
+        metric_value(text, "swarmnode_fetch_failures_total", f'reason="{r}"')
+        for r in ("hash_mismatch", "invalid")
+    )
+    assert refused >= 1
     assert metric_value(text, "swarmnode_fetch_failures_total", 'reason="truncated"') >= 1
     assert metric_value(text, "swarmnode_recoveries_total", 'source="peer"') == 1
 

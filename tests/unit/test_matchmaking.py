@@ -1,0 +1,98 @@
+"""Matchmaking between real `Matchmaker`s over an in-memory DHT (one dict, the protocol's merge rule:
+one entry per publisher, the higher seq wins) and direct proposals instead of gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from swarmnode.dht_records import DHTEntry
+from swarmnode.matchmaking import Matchmaker, Outcome
+from swarmnode.wire import GroupSpec
+
+RUN_DIGEST = "ab" * 32
+GLOBAL_DIGEST = "cd" * 32
+
+
+class MemoryDHT:
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, DHTEntry]] = {}
+        self.seq = itertools.count(1)
+
+
+class NodeView:
+    """One node's handle on the shared MemoryDHT, as `SwarmDHT` gives it."""
+
+    def __init__(self, shared: MemoryDHT, node_id: str) -> None:
+        self.shared, self.node_id = shared, node_id
+
+    async def publish(self, key: str, value: dict, ttl_s: float) -> bool:
+        await asyncio.sleep(0)
+        entry = DHTEntry(self.node_id, dict(value), next(self.shared.seq), 1e12)
+        self.shared.records.setdefault(key, {})[self.node_id] = entry
+        return True
+
+    async def get(self, key: str) -> dict[str, DHTEntry]:
+        await asyncio.sleep(0)
+        return dict(self.shared.records.get(key, {}))
+
+
+def swarm(count: int, timeout_s: float = 1.0) -> list[Matchmaker]:
+    shared = MemoryDHT()
+    by_address: dict[str, Matchmaker] = {}
+
+    async def propose(address: str, spec: GroupSpec, timeout: float) -> bool:
+        return await by_address[address].on_proposal(spec)
+
+    nodes = []
+    for i in range(count):
+        node_id, address = f"{i + 1:02x}" * 20, f"127.0.0.1:{5000 + i}"
+        node = Matchmaker(
+            NodeView(shared, node_id), node_id, address, "r", RUN_DIGEST, "fp32", timeout_s, 5.0, propose
+        )
+        by_address[address] = node
+        nodes.append(node)
+    return nodes
+
+
+def offer(node: Matchmaker, step: int, expected: set[Matchmaker]) -> asyncio.Task[Outcome]:
+    cursor = {"shard": 0, "epoch": 0, "position": 0}
+    peers = frozenset(n.node_id for n in expected)
+    return asyncio.ensure_future(node.form_group(step, 1.0, GLOBAL_DIGEST, cursor, peers))
+
+
+def test_nodes_that_expect_each_other_form_one_group() -> None:
+    async def scenario() -> list[Outcome]:
+        a, b, c = swarm(3)
+        return await asyncio.gather(offer(a, 4, {b, c}), offer(b, 4, {a, c}), offer(c, 4, {a, b}))
+
+    outcomes = asyncio.run(scenario())
+    spec = outcomes[0].group
+    assert spec is not None and len(spec.members) == 3 and spec.round == 4
+    assert all(o.group == spec for o in outcomes)
+
+
+def test_a_late_comer_learns_the_group_closed_without_it() -> None:
+    """A node that offers after the leader froze its group (a repaired node joining a round in
+    progress) learns so from the leader's frozen mark and reports the round missed, instead of
+    waiting out the leader's deadline and going on as if the swarm were gone."""
+
+    async def scenario() -> tuple[Outcome, Outcome, Outcome]:
+        a, b, late = swarm(3, timeout_s=3.0)
+        first = await asyncio.gather(offer(a, 7, {b}), offer(b, 7, {a}))
+        await asyncio.sleep(0.1)  # the leader's frozen mark goes out in the background
+        return (*first, await offer(late, 7, {a, b}))
+
+    first, second, late = asyncio.run(scenario())
+    assert first.group is not None and first.group == second.group and len(first.group.members) == 2
+    assert late.group is None and late.missed, late
+    assert "closed the group without this node" in late.reason
+
+
+def test_a_lone_node_is_not_told_it_missed_a_round() -> None:
+    async def scenario() -> Outcome:
+        (alone,) = swarm(1, timeout_s=0.3)
+        return await offer(alone, 0, set())
+
+    outcome = asyncio.run(scenario())
+    assert outcome.group is None and not outcome.missed and "no partner" in outcome.reason
