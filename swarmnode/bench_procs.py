@@ -20,20 +20,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from swarmnode.config import LOOPBACK_ARGS
+
 T = TypeVar("T")
 
-NODE_ARGS = (
-    "--host",
-    "127.0.0.1",
-    "--grpc-port",
-    "0",
-    "--dht-port",
-    "0",
-    "--metrics-port",
-    "0",
-    "--progress-interval",
-    "3600",
-)
+NODE_ARGS = (*LOOPBACK_ARGS, "--progress-interval", "3600")
 """`swarmnode run` flags every bench node gets: loopback, ports picked by the OS, no progress lines."""
 
 

@@ -22,6 +22,8 @@ LAYOUTS = ("planes", "plain")
 WIRE_DTYPES = ("bf16", "fp32", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
+LOOPBACK_ARGS = ("--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0")
+"""`swarmnode run` flags for nodes this code starts itself (demo, benches, tests): loopback, free ports."""
 
 
 class ConfigError(ValueError):

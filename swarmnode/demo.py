@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from swarmnode import rpc, rpc_client
+from swarmnode.config import LOOPBACK_ARGS
 from swarmnode.recovery import read_receipts
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot_read import read_header
@@ -35,14 +36,7 @@ NODE_ARGS = (
     "64",
     "--batch-size",
     "8",
-    "--host",
-    "127.0.0.1",
-    "--grpc-port",
-    "0",
-    "--dht-port",
-    "0",
-    "--metrics-port",
-    "0",
+    *LOOPBACK_ARGS,
     "--inner-steps",
     "40",
     "--hot-every",

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarmnode.config import LOOPBACK_ARGS
+
 TINY_ARGS = (
     "--model",
     "tiny",
@@ -27,14 +29,7 @@ TINY_ARGS = (
     "64",
     "--batch-size",
     "4",
-    "--host",
-    "127.0.0.1",
-    "--grpc-port",
-    "0",
-    "--dht-port",
-    "0",
-    "--metrics-port",
-    "0",
+    *LOOPBACK_ARGS,
     "--progress-interval",
     "3600",
 )
