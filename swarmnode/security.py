@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 import inspect
@@ -29,7 +30,7 @@ from typing import Any
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
@@ -38,6 +39,7 @@ CERT_HEADER = "x-swarmnode-cert-bin"
 PROOF_HEADER = "x-swarmnode-proof-bin"
 TIME_HEADER = "x-swarmnode-time"
 PROOF_WINDOW_S = 300.0
+MAX_REMEMBERED_CERTIFICATES = 1024
 _REFUSAL = "this swarm requires credentials the call did not carry"
 
 
@@ -52,8 +54,10 @@ class Security:
 
     @classmethod
     def from_files(cls, token: str | None, cert: Path | None, key: Path | None, ca: Path | None) -> Security:
-        """Read the PEM files; ValueError naming the flag when one cannot be read."""
-        return cls(token, _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca"))
+        """Read the PEM files; ValueError naming the flag when one cannot be read or parsed."""
+        security = cls(token, _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca"))
+        _ = security._client_identity  # parsed now: a bad certificate or key fails at start-up
+        return security
 
     @property
     def tls(self) -> bool:
@@ -75,9 +79,32 @@ class Security:
     def call_metadata(self, method: str) -> list[tuple[str, str | bytes]]:
         """What an outgoing call to `method` carries: the token and, with a certificate, its proof."""
         metadata: list[tuple[str, str | bytes]] = [(TOKEN_HEADER, self.token)] if self.token else []
-        if self.tls_cert is not None and self.tls_key is not None:
-            metadata += _certificate_proof(self.tls_cert, self.tls_key, method)
+        if self._client_identity is not None:
+            cert_der, key = self._client_identity
+            stamp = f"{time.time():.3f}"
+            metadata += [
+                (CERT_HEADER, cert_der),
+                (PROOF_HEADER, _sign(key, f"{stamp}|{method}".encode())),
+                (TIME_HEADER, stamp),
+            ]
         return metadata
+
+    @functools.cached_property
+    def _client_identity(self) -> tuple[bytes, Any] | None:
+        """The DER certificate and the private key that sign each call's proof, parsed once."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        try:
+            cert = x509.load_pem_x509_certificate(self.tls_cert)
+        except ValueError as exc:
+            raise ValueError(f"--tls-cert: not a PEM certificate: {exc}") from None
+        try:
+            key = serialization.load_pem_private_key(self.tls_key, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise ValueError(f"--tls-key: not an unencrypted PEM private key: {exc}") from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey):
+            raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+        return cert.public_bytes(serialization.Encoding.DER), key
 
     def dht_namespace(self, run_id: str) -> str:
         """The run's name in DHT keys: with a token, one that only token holders can compute."""
@@ -96,26 +123,12 @@ def _read(path: Path | None, flag: str) -> bytes | None:
         raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc.strerror}") from None
 
 
-def _certificate_proof(cert_pem: bytes, key_pem: bytes, method: str) -> list[tuple[str, str | bytes]]:
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    key = serialization.load_pem_private_key(key_pem, password=None)
-    stamp = f"{time.time():.3f}"
-    proof = _sign(key, f"{stamp}|{method}".encode())
-    return [
-        (CERT_HEADER, cert.public_bytes(serialization.Encoding.DER)),
-        (PROOF_HEADER, proof),
-        (TIME_HEADER, stamp),
-    ]
-
-
 def _sign(key: Any, message: bytes) -> bytes:
     if isinstance(key, ec.EllipticCurvePrivateKey):
         return key.sign(message, ec.ECDSA(hashes.SHA256()))
     if isinstance(key, rsa.RSAPrivateKey):
         return key.sign(message, padding.PKCS1v15(), hashes.SHA256())
-    if isinstance(key, ed25519.Ed25519PrivateKey):
-        return key.sign(message)
-    raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+    return key.sign(message)  # Ed25519 (the key type is checked when it is parsed)
 
 
 def _verify(public_key: Any, signature: bytes, message: bytes) -> None:
@@ -130,26 +143,42 @@ def _verify(public_key: Any, signature: bytes, message: bytes) -> None:
 
 
 class CertificateCheck:
-    """Verifies a caller's per-call certificate proof against the swarm's CA."""
+    """Verifies a caller's per-call certificate proof against the swarm's CA. A certificate's CA
+    signature is checked once (the swarm's few certificates are remembered); its validity period and
+    the call's proof, every call."""
 
     def __init__(self, ca_pem: bytes) -> None:
         self._cas = x509.load_pem_x509_certificates(ca_pem)
+        self._issued: dict[bytes, x509.Certificate] = {}  # DER -> certificate the CA signed
 
     def verify(self, metadata: dict[str, Any], method: str) -> bool:
         try:
-            cert = x509.load_der_x509_certificate(metadata[CERT_HEADER])
+            cert = self._signed_by_ca(metadata[CERT_HEADER])
             stamp = metadata[TIME_HEADER]
-            if abs(time.time() - float(stamp)) > PROOF_WINDOW_S or not self._issued_by_ca(cert):
+            now = datetime.datetime.now(datetime.UTC)
+            if (
+                cert is None
+                or abs(time.time() - float(stamp)) > PROOF_WINDOW_S
+                or not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
+            ):
                 return False
             _verify(cert.public_key(), metadata[PROOF_HEADER], f"{stamp}|{method}".encode())
         except (KeyError, ValueError, TypeError, InvalidSignature):
             return False
         return True
 
+    def _signed_by_ca(self, der: bytes) -> x509.Certificate | None:
+        cert = self._issued.get(der)
+        if cert is None:
+            cert = x509.load_der_x509_certificate(der)
+            if not self._issued_by_ca(cert):
+                return None
+            if len(self._issued) >= MAX_REMEMBERED_CERTIFICATES:
+                self._issued.pop(next(iter(self._issued)))
+            self._issued[der] = cert
+        return cert
+
     def _issued_by_ca(self, cert: x509.Certificate) -> bool:
-        now = datetime.datetime.now(datetime.UTC)
-        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-            return False
         for ca in self._cas:
             try:
                 cert.verify_directly_issued_by(ca)
@@ -219,7 +248,9 @@ class ServerGuard(grpc.aio.ServerInterceptor):
 
 
 UNDECODABLE = object()
-"""What a guarded handler's context.read() yields for a message that did not decode."""
+"""What a guarded handler gets for a request message that did not decode: a unary call ends
+INVALID_ARGUMENT before the handler runs; a streaming handler reads it (`context.read()`) and must
+refuse it itself, as the averaging reducer does."""
 
 _KINDS = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
@@ -259,18 +290,9 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 async def _prepare(request: Any, context: Any, admitted: bool, streaming: bool) -> Any:
     if not admitted:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
-    if streaming:
-        return _decoded(request, context)
-    if request is UNDECODABLE:
+    if not streaming and request is UNDECODABLE:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not decode")
     return request
-
-
-async def _decoded(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-    async for request in requests:
-        if request is UNDECODABLE:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request message does not decode")
-        yield request
 
 
 def _wrap(

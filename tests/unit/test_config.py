@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,39 @@ def test_dry_run_prints_config_without_the_token(tmp_path: Path) -> None:
 def test_config_built_in_code_is_validated_too() -> None:
     with pytest.raises(ConfigError, match="--keep-hot"):
         NodeConfig(keep_hot=0)
+
+
+def test_an_unparsable_tls_key_exits_2_at_start_up(tmp_path: Path) -> None:
+    """The key is parsed once at start-up (it signs every call's proof), so a bad one fails there."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "n")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(
+        b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n"
+    )
+    argv = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "run", "--data-dir", str(tmp_path / "d"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].count("--tls-key") >= 1, out.stderr
