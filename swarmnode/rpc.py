@@ -17,7 +17,7 @@ import grpc
 
 from swarmnode.config import parse_host_port
 from swarmnode.proto.v1 import snapshot_pb2 as pb
-from swarmnode.security import CredentialsInterceptor, Security
+from swarmnode.security import Security, credential_interceptors
 from swarmnode.snapshot import SnapshotInfo
 
 CHUNK_BYTES = 1 << 20
@@ -236,8 +236,7 @@ def open_channel(address: str) -> grpc.aio.Channel:
     (other services' clients use it too). Raises ValueError for a malformed address."""
     target = _check_address(address)
     security = _client_security
-    needs_metadata = security.token is not None or security.tls_key is not None
-    interceptors = [CredentialsInterceptor(security)] if needs_metadata else None
+    interceptors = credential_interceptors(security) or None
     credentials = security.channel_credentials()
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=_CLIENT_OPTIONS, interceptors=interceptors)

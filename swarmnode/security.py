@@ -188,13 +188,8 @@ class CertificateCheck:
         return False
 
 
-class CredentialsInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the swarm token and the certificate proof to every outgoing call."""
+class _Credentials:
+    """Adds the swarm token and the certificate proof to an outgoing call."""
 
     def __init__(self, security: Security) -> None:
         self._security = security
@@ -206,17 +201,41 @@ class CredentialsInterceptor(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _UnaryUnaryCredentials(_Credentials, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._with_credentials(details), request)
 
+
+class _UnaryStreamCredentials(_Credentials, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._with_credentials(details), request)
 
+
+class _StreamUnaryCredentials(_Credentials, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._with_credentials(details), request_iterator)
 
+
+class _StreamStreamCredentials(_Credentials, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._with_credentials(details), request_iterator)
+
+
+def credential_interceptors(security: Security) -> list[Any]:
+    """The client interceptors that put `security`'s credentials on every call: one per call kind,
+    since grpc.aio files an interceptor under the first kind it implements only (one that implements
+    all four would see unary-unary calls alone: streams would go out without the token); none when
+    there is nothing to add."""
+    if not security.token and security._client_identity is None:
+        return []
+    kinds = (
+        _UnaryUnaryCredentials,
+        _UnaryStreamCredentials,
+        _StreamUnaryCredentials,
+        _StreamStreamCredentials,
+    )
+    return [kind(security) for kind in kinds]
 
 
 class ServerGuard(grpc.aio.ServerInterceptor):

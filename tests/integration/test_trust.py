@@ -151,12 +151,13 @@ async def call_everything(address: str) -> dict[str, grpc.StatusCode]:
 def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, reaper, pki) -> None:
     (node,) = start_swarm(reaper, tmp_path, 1, [*ARGS, *secure_args(pki)])
     address = f"localhost:{node.info['grpc_port']}"
-    wait_for(lambda: (tmp_path / "n0" / "snapshots").exists(), 30, "a snapshot dir")
+    wait_for(lambda: list((tmp_path / "n0" / "snapshots").glob("*.snap.zst")), 60, "a snapshot to serve")
 
     rpc.configure_client(client(pki))
     try:
         allowed = asyncio.run(call_everything(address))
-        assert allowed["GetStatus"] == allowed["ListSnapshots"] == allowed["Health"] == grpc.StatusCode.OK
+        ok = ("GetStatus", "ListSnapshots", "FetchSnapshot", "Health")  # the stream's credentials too
+        assert all(allowed[name] == grpc.StatusCode.OK for name in ok), allowed
         for label, security in (
             ("no token", client(pki, token=None)),
             ("wrong token", client(pki, token="x")),
@@ -172,16 +173,12 @@ def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, 
         assert not (tmp_path / "x.snap.zst").exists()
     finally:
         rpc.configure_client(Security())
-    text = scrape_tls(node)
+    text = scrape(node)
     assert 'swarmnode_rpc_rejected_total{reason="unauthenticated"}' in text
     assert TOKEN not in text
     node.signal(signal.SIGTERM)
     assert node.wait(60) == 0
     assert TOKEN not in node.log()
-
-
-def scrape_tls(node) -> str:
-    return scrape(node)  # metrics stay plain HTTP on their own port; the token must not show there either
 
 
 def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
@@ -212,6 +209,16 @@ def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
     stranger.wait_ready()
     wait_for(lambda: "no snapshot to resume from" in stranger.log(), 60, "the stranger to start alone")
     assert "recovered from peer" not in stranger.log()
+    # Two more rounds of the swarm while the stranger trains: it never gets into a group.
+    later = max(node_status_secure(n, pki)["outer_step"] for n in nodes) + 2
+    wait_for(
+        lambda: all(node_status_secure(n, pki)["outer_step"] >= later for n in nodes),
+        90,
+        "two more rounds of the swarm",
+    )
+    stranger_id = stranger.info["node_id"]
+    assert all(stranger_id not in node_status_secure(n, pki)["last_group"] for n in nodes)
+    assert all(len(node_status_secure(n, pki)["last_group"]) == 2 for n in nodes)
     for node in [*nodes, stranger]:
         node.signal(signal.SIGTERM)
     for node in [*nodes, stranger]:
@@ -225,7 +232,7 @@ def node_status_secure(node, pki) -> dict:
         status = asyncio.run(rpc_client.get_status(f"localhost:{node.info['grpc_port']}"))
     finally:
         rpc.configure_client(Security())
-    return {"last_group": status.last_group}
+    return {"last_group": status.last_group, "outer_step": status.outer_step}
 
 
 def test_status_command_takes_the_token_from_the_environment(
