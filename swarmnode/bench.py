@@ -38,7 +38,6 @@ from swarmnode.metrics import Metrics
 from swarmnode.model import preset
 from swarmnode.training import RunIdentity, TrainingRun
 
-BENCH_NAMES = ("snapshot", "fetch", "recovery", "allreduce", "train")
 KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality")
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 

@@ -49,7 +49,7 @@ def _record_peak_rss(pid: int) -> None:
             _peak_rss_mb["largest child"] = max(_peak_rss_mb["largest child"], mb)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """This environment without SWARMNODE_* settings: a volunteer's own (--peers, --data-dir, a token…)
     must not reach a bench's nodes, which would then join their real swarm or write into their data."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMNODE_")}
@@ -106,7 +106,7 @@ class _Child:
                 stderr=log,
                 text=True,
                 start_new_session=True,
-                env=_child_env(),
+                env=child_env(),
             )
 
     def alive(self) -> bool:

@@ -271,15 +271,11 @@ class SpeculativeCheckpointer:
 
     def _remove_interrupted_writes(self) -> None:
         directory = self.cfg.directory
-        leftovers = (
-            [*directory.glob(".tmp-*.part"), *directory.glob(".incoming/*")] if directory.is_dir() else []
-        )
+        leftovers = list(directory.glob(".tmp-*.part")) if directory.is_dir() else []
         for path in leftovers:
             path.unlink(missing_ok=True)
         if leftovers:
-            logger.info(
-                "removed %d temporary file(s) of writes or downloads a crash interrupted", len(leftovers)
-            )
+            logger.info("removed %d temporary file(s) of writes a crash interrupted", len(leftovers))
 
     def list_snapshots(self) -> list[SnapshotInfo]:
         """Complete snapshots, newest last."""

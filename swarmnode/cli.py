@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from swarmnode import faults
-from swarmnode.config import ConfigError, build_run_parser, load_config
+from swarmnode.config import MODEL_PRESETS, ConfigError, build_run_parser, load_config
 
 logger = logging.getLogger("swarmnode")
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "name", choices=["snapshot", "fetch", "recovery", "allreduce", "train"], help="which benchmark"
     )
-    bench.add_argument("--model", choices=["tiny", "small", "base"], default="small")
+    bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument(
         "--rounds", type=int, help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train)"

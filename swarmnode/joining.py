@@ -12,7 +12,6 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from swarmnode import faults, rpc, rpc_client
 from swarmnode.announcements import Announcement
@@ -81,22 +80,30 @@ def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
         metrics.fetch_bytes.inc(size)
         faults.hit("fetch_chunk")
 
-    async def fetch(peer: Announcement, target: Path, on_data: Callable[[bytes], Awaitable[None]]) -> str:
+    async def fetch(peer: Announcement, on_data: Callable[[bytes], Awaitable[None]]) -> str:
         """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
-        (a node keeps training after it announces); returns the id of what was fetched and verified."""
+        (a node keeps training after it announces); returns the id of what was fetched and verified.
+        The bytes go only to `on_data` (decoded as they arrive): nothing is written here."""
         limit = int(run.state_bytes() * 1.25) + (4 << 20)
+        received = 0
+
+        async def forward(data: bytes) -> None:
+            nonlocal received
+            received += len(data)
+            await on_data(data)
+
         get = functools.partial(
             rpc_client.fetch_snapshot,
             peer.address,
-            target,
+            None,
             max_bytes=limit,
             on_bytes=count_fetched,
-            on_data=on_data,
+            on_data=forward,
         )
         try:
             result = await get(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)
         except rpc.PeerUnavailable as exc:
-            if exc.reason != "refused":
+            if exc.reason != "refused" or received:  # the decoder holds part of one stream already
                 raise
             result = await get()  # the newest it serves; still verified against its own id
         return result.snapshot_id

@@ -257,7 +257,7 @@ class Node:
             delta, float(p.round_tokens), round_step, digest, end, expected, in_swarm=in_swarm
         )
         self.last_round = result
-        if result.held or result.averaged is None:
+        if result.averaged is None:
             status = "held" if result.held else "dropped"
             await asyncio.to_thread(self.ledger.settle, round_step, status, len(result.group), None)
             self._open_round = None

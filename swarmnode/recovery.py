@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 RECEIPTS_FILE = "receipts.jsonl"
 
-Fetcher = Callable[[Announcement, Path, Callable[[bytes], Awaitable[None]]], Awaitable[str]]
+Fetcher = Callable[[Announcement, Callable[[bytes], Awaitable[None]]], Awaitable[str]]
 """Downloads a peer's announced (or newer) snapshot to a path, verified against its id, handing each
 arriving chunk to the callback too, and returns the id; raises on any failure with an exception that has
 a `reason` attribute (see rpc.PeerUnavailable)."""
@@ -218,14 +218,11 @@ class Recovery:
     async def _restore_peer(self, peer: Announcement, choose: CursorRule) -> Receipt:
         """Fetch a peer's snapshot while a worker thread decodes and verifies it as it arrives (the
         stages overlap), then adopt it."""
-        incoming = self.snapshot_dir / ".incoming"
-        incoming.mkdir(parents=True, exist_ok=True)
-        target = incoming / f"from-{peer.node_id}.snap.zst"
         feed = ByteFeed()
         decoding = asyncio.create_task(asyncio.to_thread(self._decode, feed))
         started = time.perf_counter()
         try:
-            snapshot_id = await self.fetch(peer, target, feed.push)
+            snapshot_id = await self.fetch(peer, feed.push)
             feed.close()
             fetched = time.perf_counter()
             loaded = await decoding
@@ -238,10 +235,8 @@ class Recovery:
             with contextlib.suppress(Exception):
                 await decoding
             raise
-        finally:
-            target.unlink(missing_ok=True)
         if loaded.snapshot_id != snapshot_id:
-            raise SnapshotError("the decoded stream's sha256 differs from the fetched file's")
+            raise SnapshotError("the decoded stream's sha256 differs from the fetched bytes'")
         receipt = await asyncio.to_thread(self._adopt_peer_snapshot, peer, loaded, choose)
         receipt.stages_s.update(fetch=fetched - started, verify=decoded - fetched)
         receipt.seconds = time.perf_counter() - started

@@ -34,7 +34,7 @@ HOLD_ROUNDS = 3
 class RoundResult:
     """What one round decided, for the outer step, the snapshot metadata and the status."""
 
-    averaged: AveragedDelta | None  # None: apply nothing this round (repair pending)
+    averaged: AveragedDelta | None  # None: apply nothing this round (held, or a repair pending)
     group: tuple[str, ...] = ()  # node ids, in the group's order
     cursors: dict[str, dict[str, int]] = field(default_factory=dict)  # members' cursors after the phase
     coverage: float = 1.0
@@ -100,11 +100,7 @@ class SwarmRounds:
         if outcome.missed:  # the swarm is here and a step ahead: hold, catch up, never go alone
             self.metrics.round_failures.labels("no_partners").inc()
             logger.warning("round %d: %s; holding the outer step and catching up", outer_step, outcome.reason)
-            held = AveragedDelta(delta, (), 1)
-            seconds = time.perf_counter() - started
-            return RoundResult(
-                held, (self.node_id,), {}, 0.0, seconds, note=outcome.reason, held=True, missed=True
-            )
+            return self._hold(outcome.reason, started, missed=True)
         if outcome.group is None:
             return self._alone(delta, weight, outer_step, cursor, started, outcome.reason, in_swarm)
         self._held = 0
@@ -129,7 +125,6 @@ class SwarmRounds:
         node applying steps alone forks the swarm's model and must later repair (its work then
         trained again); after that, or in a swarm of one, it goes on alone."""
         self.metrics.round_failures.labels("no_partners").inc()
-        seconds = time.perf_counter() - started
         if in_swarm and self._held < HOLD_ROUNDS:
             self._held += 1
             logger.warning(
@@ -139,10 +134,16 @@ class SwarmRounds:
                 self._held,
                 HOLD_ROUNDS,
             )
-            held = AveragedDelta(delta, (), 1)
-            return RoundResult(held, (self.node_id,), {}, 0.0, seconds, note=reason, held=True)
+            return self._hold(reason, started)
         logger.info("round %d: %s; going on alone", outer_step, reason)
         return self._solo(delta, weight, cursor, started, reason)
+
+    def _hold(self, reason: str, started: float, missed: bool = False) -> RoundResult:
+        """Nothing applied this round: the node's work stays local progress, carried by its next Δ."""
+        seconds = time.perf_counter() - started
+        return RoundResult(
+            None, (self.node_id,), coverage=0.0, seconds=seconds, note=reason, held=True, missed=missed
+        )
 
     def _solo(
         self, delta: torch.Tensor, weight: float, cursor: dict[str, int], started: float, note: str

@@ -138,9 +138,7 @@ class _PartFile:
 
     async def commit(self, snapshot_id: str) -> None:
         """Keeps the bytes (fsynced) at the destination if they hash to `snapshot_id`, else raises."""
-        digest = self._hash.hexdigest()
-        if digest != snapshot_id:
-            raise SnapshotUnavailable("hash_mismatch", f"received bytes hash to {digest}, not {snapshot_id}")
+        _check_digest(self._hash, snapshot_id)
         await asyncio.to_thread(self._sync_and_rename)
 
     def _sync_and_rename(self) -> None:
@@ -153,6 +151,31 @@ class _PartFile:
         with self._lock:
             self._file.close()
             self._temp_path.unlink(missing_ok=True)
+
+
+class _HashOnly:
+    """The sink of a download that goes only to `on_data` (a recovery decodes it as it arrives):
+    nothing on disk, the bytes hashed and counted all the same."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    async def write(self, data: bytes) -> None:
+        self.size += len(data)
+        await asyncio.to_thread(self._hash.update, data)
+
+    async def commit(self, snapshot_id: str) -> None:
+        _check_digest(self._hash, snapshot_id)
+
+    def discard(self) -> None:
+        pass
+
+
+def _check_digest(hashed: Any, snapshot_id: str) -> None:
+    digest = hashed.hexdigest()
+    if digest != snapshot_id:
+        raise SnapshotUnavailable("hash_mismatch", f"received bytes hash to {digest}, not {snapshot_id}")
 
 
 class _Broken(Exception):
@@ -174,7 +197,7 @@ class _Download:
 
     address: str
     channel: grpc.aio.Channel
-    part: _PartFile
+    part: _PartFile | _HashOnly
     wanted_id: str | None
     expected_sha256: str | None
     max_bytes: int | None
@@ -235,7 +258,10 @@ class _Download:
             raise SnapshotUnavailable(self._silence_reason(), self._silence_detail()) from None
         except grpc.aio.AioRpcError as exc:
             reason = _reason_for(exc)
-            if reason in ("refused", "timeout"):
+            # A resume may find the server still holding the broken stream's slot (--max-serving-per-peer):
+            # that refusal is worth the backoff and another try, like the break itself.
+            busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.part.size > 0
+            if reason in ("refused", "timeout") and not busy:
                 raise SnapshotUnavailable(reason, f"{self.address}: {exc.details()}") from None
             raise _Broken(reason, f"{exc.code().name}: {exc.details()}") from None
         return None if msg is grpc.aio.EOF else msg
@@ -284,7 +310,7 @@ class _Download:
 
 async def fetch_snapshot(
     address: str,
-    out_path: Path,
+    out_path: Path | None,
     *,
     snapshot_id: str | None = None,
     expected_sha256: str | None = None,
@@ -296,14 +322,15 @@ async def fetch_snapshot(
 ) -> FetchResult:
     """Fetches a snapshot (by id; None: the peer's newest, or `expected_sha256` if given) from the
     peer at HOST:PORT into `out_path`, atomically and only once its sha256 equals the announced id
-    (and `expected_sha256`). Resumes a broken stream up to `max_resumes` times; a message that takes
+    (and `expected_sha256`); `out_path` None: the bytes go only to `on_data`, still hashed and
+    checked. Resumes a broken stream up to `max_resumes` times; a message that takes
     over `chunk_timeout_s` ends the fetch. Raises SnapshotUnavailable (no file left behind) or
     ValueError for a malformed address or id."""
     _check_sha256(snapshot_id, "snapshot id")
     _check_sha256(expected_sha256, "expected sha256")
     started = time.monotonic()
     async with open_channel(address) as channel:
-        part = _PartFile.create(out_path)
+        part = _PartFile.create(out_path) if out_path is not None else _HashOnly()
         try:
             download = _Download(
                 address=address,

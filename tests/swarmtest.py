@@ -10,14 +10,15 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from swarmnode.bench_procs import child_env
+from swarmnode.bench_procs import wait_until as wait_for
 from swarmnode.config import LOOPBACK_ARGS
 
 TINY_ARGS = (
@@ -35,24 +36,6 @@ TINY_ARGS = (
 )
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll until `predicate()` is truthy; fail with `what` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class NodeProcess:
     """A `swarmnode run` child with its own data dir and log file."""
 
@@ -68,8 +51,7 @@ class NodeProcess:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.args = [*TINY_ARGS, "--data-dir", str(self.data_dir), *args]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.env.pop("SWARMNODE_FAULTS", None)
+        self.env = {**child_env(), **(env or {})}  # no SWARMNODE_* setting of the developer's leaks in
         if faults:
             self.env["SWARMNODE_FAULTS"] = faults
         self.log_path = self.data_dir / f"node-{int(time.time() * 1000)}.log"
@@ -106,10 +88,6 @@ class NodeProcess:
 
         wait_for(ready, timeout_s, f"node in {self.data_dir} to start")
         return self.info
-
-    def info_or_none(self) -> dict[str, Any] | None:
-        path = self.data_dir / "node.json"
-        return json.loads(path.read_text()) if path.exists() else None
 
     def wait_nowait(self) -> int | None:
         """The exit code if the process has ended, else None."""

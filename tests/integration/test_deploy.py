@@ -25,8 +25,9 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from swarmnode.bench_procs import free_port
 from swarmnode.metrics import Metrics
-from swarmtest import free_port, start_swarm, wait_for
+from swarmtest import start_swarm, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

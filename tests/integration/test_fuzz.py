@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmnode import rpc
+from swarmnode.dht import DHTConfig, SwarmDHT
+from swarmnode.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2, snapshot_pb2
 from swarmtest import ProcessReaper, node_status, start_swarm, wait_for
 
@@ -146,5 +148,15 @@ def test_the_node_survived_the_fuzzers_and_kept_training(live_node) -> None:
     before = node_status(live_node)["inner_step"]
     wait_for(lambda: node_status(live_node)["inner_step"] > before, 60, "training to go on")
     assert_alive(live_node)
+
+    async def dht_peers_seen() -> int:  # its DHT still answers after the raw datagrams
+        client = SwarmDHT(Identity.generate(), DHTConfig())
+        await client.start([f"127.0.0.1:{live_node.info['dht_port']}"])
+        try:
+            return client.peer_count()
+        finally:
+            await client.stop()
+
+    assert asyncio.run(dht_peers_seen()) == 1
     assert "Traceback" not in live_node.log(), live_node.log()[-3000:]
     assert Path(live_node.data_dir / "node.json").exists()

@@ -37,6 +37,11 @@ class NodeView:
         return dict(self.shared.records.get(key, {}))
 
 
+async def frozen_mark(shared: MemoryDHT) -> None:
+    while not any(e.value.get("fz") for entries in shared.records.values() for e in entries.values()):
+        await asyncio.sleep(0.01)
+
+
 def swarm(count: int, timeout_s: float = 1.0) -> list[Matchmaker]:
     shared = MemoryDHT()
     by_address: dict[str, Matchmaker] = {}
@@ -80,7 +85,7 @@ def test_a_late_comer_learns_the_group_closed_without_it() -> None:
     async def scenario() -> tuple[Outcome, Outcome, Outcome]:
         a, b, late = swarm(3, timeout_s=3.0)
         first = await asyncio.gather(offer(a, 7, {b}), offer(b, 7, {a}))
-        await asyncio.sleep(0.1)  # the leader's frozen mark goes out in the background
+        await asyncio.wait_for(frozen_mark(a.dht.shared), 5)  # published by the leader in the background
         return (*first, await offer(late, 7, {a, b}))
 
     first, second, late = asyncio.run(scenario())
