@@ -8,15 +8,13 @@ since a peer is never trusted.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from swarmnode.config import parse_host_port
+from swarmnode.config import is_sha256_hex, parse_host_port
 from swarmnode.data import parse_count, parse_cursor
 
 ANNOUNCE_TTL_S = 900.0
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def snapshots_key(run_id: str) -> str:
@@ -74,8 +72,8 @@ class Announcement:
         except (KeyError, TypeError, ValueError):
             return None
         ok = (
-            _HEX64.match(announcement.snapshot_id)
-            and _HEX64.match(announcement.run_digest)
+            is_sha256_hex(announcement.snapshot_id)
+            and is_sha256_hex(announcement.run_digest)
             and announcement.kind in ("hot", "cold")
         )
         return announcement if ok else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ LAYOUTS = ("planes", "plain")
 WIRE_DTYPES = ("bf16", "fp32", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 LOOPBACK_ARGS = ("--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0")
 """`swarmnode run` flags for nodes this code starts itself (demo, benches, tests): loopback, free ports."""
 
@@ -168,6 +170,11 @@ def _peer_list(text: str) -> tuple[str, ...]:
     for peer in peers:
         parse_host_port(peer)
     return peers
+
+
+def is_sha256_hex(value: object) -> bool:
+    """Whether `value` is a sha256 digest as the swarm writes it: exactly 64 lowercase hex digits."""
+    return isinstance(value, str) and _SHA256_HEX.fullmatch(value) is not None
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

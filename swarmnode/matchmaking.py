@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,13 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmnode import clock
+from swarmnode.config import is_sha256_hex
 from swarmnode.data import parse_count, parse_cursor
 from swarmnode.dht import DHTEntry
-from swarmnode.wire import MAX_WEIGHT, GroupSpec, Member
+from swarmnode.wire import GroupSpec, Member
 
 logger = logging.getLogger(__name__)
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 POLL_INTERVAL_S = 0.25
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
@@ -68,7 +67,7 @@ class Offer:
     def to_value(self) -> dict[str, Any]:
         value = {
             "addr": self.address,
-            "dl": round(self.deadline, 3),
+            "dl": self.deadline,  # rounded to the millisecond when the offer is made
             "run": self.run_digest,
             "g": self.global_digest,
             "w": self.weight,
@@ -100,12 +99,7 @@ class Offer:
             offer.member()  # validates the address, id, cursor and digest as the group spec will
         except (KeyError, TypeError, ValueError, OverflowError):
             return None
-        sane = (
-            math.isfinite(offer.deadline)
-            and 0 <= offer.weight <= MAX_WEIGHT
-            and _HEX64.match(offer.run_digest)
-        )
-        return offer if sane else None
+        return offer if math.isfinite(offer.deadline) and is_sha256_hex(offer.run_digest) else None
 
     def member(self) -> Member:
         return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)
@@ -142,6 +136,7 @@ class Matchmaker:
         self._open_round: int | None = None
         self._proposal: asyncio.Future[GroupSpec] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
 
     # ----- the proposal side (called by the averaging servicer) -----
 
@@ -180,7 +175,7 @@ class Matchmaker:
         key = round_key(self.run_id)
         try:
             started = time.monotonic()
-            await self.dht.publish(key, own.to_value(), 2 * self.timeout_s + CLOCK_SKEW_ALLOWANCE_S)
+            await self.dht.publish(key, own.to_value(), self._offer_ttl_s)
             logger.debug(
                 "round %d: offer published in %.2f s; expecting %s",
                 outer_step,
@@ -269,8 +264,9 @@ class Matchmaker:
         """Tell late comers (in the background) that this round's group is closed, so that they stop
         waiting for a proposal that will not come."""
         frozen = dataclasses.replace(own, frozen=True)
-        ttl = 2 * self.timeout_s + CLOCK_SKEW_ALLOWANCE_S
-        task = asyncio.create_task(self.dht.publish(round_key(self.run_id), frozen.to_value(), ttl))
+        task = asyncio.create_task(
+            self.dht.publish(round_key(self.run_id), frozen.to_value(), self._offer_ttl_s)
+        )
         self._background.add(task)
         task.add_done_callback(self._published)
 

@@ -179,8 +179,8 @@ class Recovery:
             """Only batches the adopted θ_g holds count: this node's record in its lineage, else none."""
             if parse_count(meta.get("outer_step")) < min_outer_step:
                 raise SnapshotError(f"the peer's snapshot is not at outer step {min_outer_step} as announced")
-            mine = (meta.get("swarm_cursors") or {}).get(self.run.identity.node_id)
-            if mine and _is_own_shard(mine, self.run.loader.shard):
+            mine = self._lineage_cursor(meta.get("swarm_cursors"))
+            if mine is not None:
                 return CursorChoice(mine, "round_metadata", steps)
             return CursorChoice({"shard": self.run.loader.shard, "epoch": 0, "position": 0}, "fresh", steps)
 
@@ -272,13 +272,27 @@ class Recovery:
             loss_before=loaded.metadata.get("last_loss"),
         )
 
+    def _lineage_cursor(self, lineage: Any) -> dict[str, int] | None:
+        """This node's record in a lineage's round metadata (`swarm_cursors`), if it can resume it."""
+        mine = lineage.get(self.run.identity.node_id) if isinstance(lineage, dict) else None
+        return mine if mine and self._resumable(mine) else None
+
+    def _resumable(self, cursor: Any) -> bool:
+        """Whether this node's loader can resume `cursor` (its shard, within it): a record that came
+        from a peer or the DHT is checked before it is chosen, so a bad one is passed over, not fatal."""
+        try:
+            self.run.loader.check_state_dict(cursor)
+        except (ValueError, TypeError, KeyError):
+            return False
+        return True
+
     def _own_cursor(self, own: Announcement | None, lineage: dict[str, Any] | None = None) -> CursorChoice:
         """This node's cursor for the adopted state. The lineage's record of this node (round metadata
         carried by every snapshot: how far its batches are in θ_g) is exact and wins; without one (a
         node that never averaged with this lineage), the freshest of its own last announcement and its
         own snapshots' committed cursors; else afresh (DESIGN.md §4)."""
-        mine = (lineage or {}).get(self.run.identity.node_id)
-        if mine and _is_own_shard(mine, self.run.loader.shard):
+        mine = self._lineage_cursor(lineage)
+        if mine is not None:
             steps = (own.inner_step, 0) if own is not None else (0, 0)
             return CursorChoice(mine, "round_metadata", steps)
         options = [CursorChoice(None, "fresh", (0, 0))]
@@ -289,19 +303,10 @@ class Recovery:
             if meta and meta.get("committed_cursor"):
                 steps = (int(meta.get("inner_step", 0)), int(meta.get("tokens", 0)))
                 options.append(CursorChoice(meta["committed_cursor"], "own_snapshot", steps))
-        usable = [o for o in options if o.cursor is None or _is_own_shard(o.cursor, self.run.loader.shard)]
+        usable = [o for o in options if o.cursor is None or self._resumable(o.cursor)]
         return max(
             usable, key=lambda o: (-1, -1) if o.cursor is None else (o.cursor["epoch"], o.cursor["position"])
         )
-
-
-def _is_own_shard(cursor: Any, shard: int) -> bool:
-    return (
-        isinstance(cursor, dict)
-        and cursor.get("shard") == shard
-        and isinstance(cursor.get("epoch"), int)
-        and isinstance(cursor.get("position"), int)
-    )
 
 
 def _header_metadata(path: Path) -> dict[str, Any] | None:

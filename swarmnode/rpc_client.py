@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from swarmnode.config import is_sha256_hex
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.rpc import (
@@ -47,7 +47,6 @@ from swarmnode.rpc import (
 
 logger = logging.getLogger(__name__)
 
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _REFUSED_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.NOT_FOUND,
@@ -81,7 +80,7 @@ def _reason_for(exc: grpc.aio.AioRpcError) -> FailureReason:
 
 
 def _check_sha256(value: str | None, what: str) -> None:
-    if value is not None and not _SHA256_HEX.fullmatch(value):
+    if value is not None and not is_sha256_hex(value):
         raise ValueError(f"{what} must be a sha256 hex digest (64 lowercase hex digits), got {value!r}")
 
 
