@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from swarmnode import faults
-from swarmnode.config import MODEL_PRESETS, ConfigError, build_run_parser, load_config
+from swarmnode.config import (
+    FLAG_BY_FIELD,
+    MODEL_PRESETS,
+    ConfigError,
+    build_run_parser,
+    load_config,
+    parse_flag,
+)
 
 logger = logging.getLogger("swarmnode")
 
@@ -81,22 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLIENT_SECURITY_FIELDS = ("swarm_token", "tls_cert", "tls_key", "tls_ca")
+"""The `swarmnode run` flags a client command (`status`, `fetch`) takes too, to speak to such a swarm."""
+
+
 def _add_client_security(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--swarm-token", metavar="TOKEN", help="the swarm's token, if it has one; env SWARMNODE_SWARM_TOKEN"
-    )
-    parser.add_argument(
-        "--tls-cert", type=Path, metavar="FILE", help="client certificate (PEM); env SWARMNODE_TLS_CERT"
-    )
-    parser.add_argument(
-        "--tls-key", type=Path, metavar="FILE", help="client key (PEM); env SWARMNODE_TLS_KEY"
-    )
-    parser.add_argument(
-        "--tls-ca",
-        type=Path,
-        metavar="FILE",
-        help="CA that signed the node's certificate; env SWARMNODE_TLS_CA",
-    )
+    for name in CLIENT_SECURITY_FIELDS:
+        flag = FLAG_BY_FIELD[name]
+        parser.add_argument(flag.option, dest=name, metavar=flag.metavar, help=f"{flag.help}; env {flag.env}")
 
 
 def _configure_client(args: argparse.Namespace) -> None:
@@ -104,14 +103,18 @@ def _configure_client(args: argparse.Namespace) -> None:
     from swarmnode import rpc
     from swarmnode.security import Security
 
-    def value(name: str) -> Any:
-        given = getattr(args, name)
-        env = os.environ.get("SWARMNODE_" + name.upper())
-        return given if given is not None else (Path(env) if env and name.startswith("tls") else env)
-
+    values: dict[str, Any] = {}
+    for name in CLIENT_SECURITY_FIELDS:
+        flag, given = FLAG_BY_FIELD[name], getattr(args, name)
+        if given is not None:
+            values[name] = parse_flag(flag, given, source=flag.option)
+        elif os.environ.get(flag.env) is not None:
+            values[name] = parse_flag(flag, os.environ[flag.env], source=flag.env)
+        else:
+            values[name] = None
     try:
         security = Security.from_files(
-            value("swarm_token"), value("tls_cert"), value("tls_key"), value("tls_ca")
+            values["swarm_token"], values["tls_cert"], values["tls_key"], values["tls_ca"]
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -86,7 +86,7 @@ class NodeConfig:
         for flag in FLAGS:
             value = getattr(self, flag.field)
             if value is not None:
-                _parse(flag, value, source=flag.option)
+                parse_flag(flag, value, source=flag.option)
         _check_combinations(self)
 
     @property
@@ -408,14 +408,15 @@ def load_config(
         values.update(_from_toml(toml_path))
     for flag in FLAGS:
         if flag.env in environ:
-            values[flag.field] = _parse(flag, environ[flag.env], source=flag.env)
+            values[flag.field] = parse_flag(flag, environ[flag.env], source=flag.env)
     for name, raw in cli_values.items():
         if raw is not None and name in FLAG_BY_FIELD:
-            values[name] = _parse(FLAG_BY_FIELD[name], raw, source=FLAG_BY_FIELD[name].option)
+            values[name] = parse_flag(FLAG_BY_FIELD[name], raw, source=FLAG_BY_FIELD[name].option)
     return NodeConfig(**values)
 
 
-def _parse(flag: Flag, raw: Any, source: str) -> Any:
+def parse_flag(flag: Flag, raw: Any, source: str) -> Any:
+    """One flag's value from `source` (a flag, an environment variable, a TOML key); ConfigError."""
     text = ",".join(map(str, raw)) if isinstance(raw, list | tuple) else str(raw)
     if isinstance(raw, bool):
         raise ConfigError(f"{source}: expected a value, got {raw!r}")
@@ -444,5 +445,5 @@ def _from_toml(path: Path) -> dict[str, Any]:
         flag = FLAG_BY_FIELD.get(name) or FLAG_BY_FIELD.get(name + "_s")
         if flag is None:
             raise ConfigError(f"--config: unknown key {key!r} in {str(path)!r}")
-        values[flag.field] = _parse(flag, raw, source=f"{path.name}:{key}")
+        values[flag.field] = parse_flag(flag, raw, source=f"{path.name}:{key}")
     return values

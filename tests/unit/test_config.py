@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,17 @@ def test_an_unparsable_tls_key_exits_2_at_start_up(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].count("--tls-key") >= 1, out.stderr
+
+
+def test_client_commands_check_their_security_flags_as_run_does(tmp_path: Path) -> None:
+    """`status`/`fetch` take --swarm-token/--tls-* from the same flag table as `run` (and their env twins)."""
+    env = {**os.environ, "SWARMNODE_SWARM_TOKEN": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "status", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "SWARMNODE_SWARM_TOKEN: must not be empty" in out.stderr
