@@ -45,8 +45,6 @@ class Progress:
     committed_cursor: dict[str, int] | None = None
     """Where this node's batches in the global params end (DESIGN §4): the cursor after its last
     applied round; the current round's batches, and those of skipped rounds, are local progress."""
-    round_cursors: dict[str, dict[str, int]] | None = None
-    """The last round's members' cursors after their inner phase (round metadata, DESIGN §4)."""
     swarm_cursors: dict[str, dict[str, int]] = field(default_factory=dict)
     """Every node's cursor as far as its batches are in θ_g: the lineage's record of what it holds."""
     last_round: dict[str, Any] | None = None
@@ -168,7 +166,6 @@ class TrainingRun:
             p.round_tokens = 0
             p.committed_cursor = self.loader.state_dict()
             p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
-        p.round_cursors = round_cursors
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
@@ -198,7 +195,6 @@ class TrainingRun:
             "heldout_loss": p.heldout_loss,
             "cursor": self.loader.state_dict(),
             "committed_cursor": p.committed_cursor,
-            "round_cursors": p.round_cursors,
             "swarm_cursors": p.swarm_cursors,
             "last_round": p.last_round,
             "global_digest": self.trainer.global_digest(),
@@ -223,11 +219,10 @@ class TrainingRun:
             for key in ("last_loss", "heldout_loss"):
                 if meta.get(key) is not None and not isinstance(meta[key], int | float):
                     raise ValueError(f"{key} is not a number")
-            for key in ("swarm_cursors", "round_cursors"):
-                for node_id, cursor in (meta.get(key) or {}).items():
-                    if not isinstance(node_id, str):
-                        raise ValueError(f"{key} has a non-string node id")
-                    parse_cursor(cursor)
+            for node_id, cursor in (meta.get("swarm_cursors") or {}).items():
+                if not isinstance(node_id, str):
+                    raise ValueError("swarm_cursors has a non-string node id")
+                parse_cursor(cursor)
             if own:
                 self.loader.check_state_dict(meta["cursor"])
                 self.loader.check_state_dict(meta["committed_cursor"])
@@ -268,7 +263,6 @@ class TrainingRun:
         p.heldout_loss = meta.get("heldout_loss")
         p.round_step = int(meta["round_step"]) if keep_round else 0
         p.round_tokens = int(meta["round_tokens"]) if keep_round else 0
-        p.round_cursors = meta.get("round_cursors")
         p.swarm_cursors = dict(meta.get("swarm_cursors") or {})
         p.committed_cursor = meta.get("committed_cursor") if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)

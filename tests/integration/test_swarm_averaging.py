@@ -96,7 +96,7 @@ def test_two_nodes_fp32_match_a_single_process_reference(tmp_path: Path, reaper)
     for outer in (1, 2, 3):
         metas = [cold_metadata(n)[outer] for n in nodes]
         assert len({m["global_digest"] for m in metas}) == 1, f"digests differ after round {outer}"
-        assert set(metas[0]["round_cursors"]) == {n.info["node_id"] for n in nodes}
+        assert set(metas[0]["swarm_cursors"]) == {n.info["node_id"] for n in nodes}
         torch.testing.assert_close(cold_global(nodes[0], outer), expected[outer - 1], rtol=0, atol=1e-6)
 
 
