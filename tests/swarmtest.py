@@ -215,6 +215,23 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def first_agreed_round(rounds: dict[int, dict[str, str]], count: int, after: int) -> int | None:
+    """The first outer step past `after` at which `count` nodes recorded one and the same global
+    digest; `rounds` is outer step -> {node: digest}."""
+    for outer, digests in sorted(rounds.items()):
+        if outer > after and len(digests) == count and len(set(digests.values())) == 1:
+            return outer
+    return None
+
+
+def stop_all(nodes: Sequence[NodeProcess], timeout_s: float = 60) -> None:
+    """SIGTERM every node at once, then each must exit 0 (a clean stop: final snapshot, DHT left)."""
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    for node in nodes:
+        assert node.wait(timeout_s) == 0, node.log()[-2000:]
+
+
 def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
     """Every node's ledger replays as one chain (no batch counted twice or skipped, DESIGN §4), and the
     swarm's newest model records each node at a point of its chain: it holds exactly a prefix of it."""

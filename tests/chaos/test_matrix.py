@@ -26,10 +26,12 @@ from swarmnode.recovery import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
+    first_agreed_round,
     metric_value,
     node_status,
     scrape,
     start_swarm,
+    stop_all,
     wait_for,
 )
 
@@ -66,10 +68,7 @@ def round_digests(nodes: list[NodeProcess]) -> dict[int, dict[str, str]]:
 
 
 def agreed_round(nodes: list[NodeProcess], after: int) -> int | None:
-    for outer, digests in sorted(round_digests(nodes).items()):
-        if outer > after and len(digests) == len(nodes) and len(set(digests.values())) == 1:
-            return outer
-    return None
+    return first_agreed_round(round_digests(nodes), len(nodes), after)
 
 
 def survivors_round(nodes: list[NodeProcess]) -> int:
@@ -82,10 +81,7 @@ def finish(nodes: list[NodeProcess], returned_at: int) -> None:
     assert agreed <= returned_at + 2, (
         f"agreed only at round {agreed}, the faulted node was back at {returned_at}"
     )
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(60) == 0, node.log()[-2000:]
+    stop_all(nodes)
     assert_ledgers_replay(nodes)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from swarmnode.snapshot_read import read_snapshot
-from swarmtest import metric_value, newest_snapshot, node_status, scrape, start_swarm, wait_for
+from swarmtest import metric_value, newest_snapshot, node_status, scrape, start_swarm, stop_all, wait_for
 
 
 def test_a_slow_disk_skips_hot_snapshots_and_never_blocks_training(tmp_path: Path, reaper) -> None:
@@ -25,8 +24,7 @@ def test_a_slow_disk_skips_hot_snapshots_and_never_blocks_training(tmp_path: Pat
         lambda: node_status(node)["inner_step"] > first + 40, 60, "training to go on during a slow write"
     )
     assert metric_value(scrape(node), "swarmnode_snapshots_skipped_total") >= 10
-    node.signal(signal.SIGTERM)
-    assert node.wait(60) == 0
+    stop_all([node])
 
 
 def test_export_writes_the_global_weights_as_plain_safetensors(tmp_path: Path, reaper) -> None:

@@ -16,10 +16,12 @@ from swarmnode.snapshot_read import read_header, read_snapshot
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
+    first_agreed_round,
     metric_value,
     node_status,
     scrape,
     start_swarm,
+    stop_all,
     wait_for,
 )
 
@@ -123,10 +125,7 @@ def digests_by_round(nodes: list[NodeProcess]) -> dict[int, dict[str, str]]:
 
 def first_round_all_agree(nodes: list[NodeProcess], after: int) -> int | None:
     """The first outer step past `after` at which every node wrote a cold snapshot with one digest."""
-    for outer, digests in sorted(digests_by_round(nodes).items()):
-        if outer > after and len(digests) == len(nodes) and len(set(digests.values())) == 1:
-            return outer
-    return None
+    return first_agreed_round(digests_by_round(nodes), len(nodes), after)
 
 
 def test_a_member_killed_mid_allreduce_costs_a_timeout_not_the_round(tmp_path: Path, reaper) -> None:
@@ -163,10 +162,7 @@ def test_a_member_killed_mid_allreduce_costs_a_timeout_not_the_round(tmp_path: P
     receipts = (victim.data_dir / "receipts.jsonl").read_text()
     assert '"source": "peer"' in receipts or '"source": "local"' in receipts
     assert agreed <= max(digests_by_round([victim])) + 2
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(60) == 0
+    stop_all(nodes)
     assert_ledgers_replay(nodes)
 
 
@@ -183,10 +179,7 @@ def test_a_late_joiner_catches_up_and_joins_a_group(tmp_path: Path, reaper) -> N
     )
     everyone = [*nodes, late]
     assert wait_for(lambda: first_round_all_agree(everyone, receipt["outer_step"]), 90, "four equal digests")
-    for node in everyone:
-        node.signal(signal.SIGTERM)
-    for node in everyone:
-        assert node.wait(60) == 0
+    stop_all(everyone)
     assert_ledgers_replay(everyone)
 
 
@@ -198,10 +191,7 @@ def test_a_node_whose_global_params_went_astray_repairs_itself(tmp_path: Path, r
     assert "disagreed with the swarm's" in astray.log()
     assert metric_value(scrape(astray), "swarmnode_repairs_total") >= 1
     assert wait_for(lambda: first_round_all_agree(nodes, 3), 90, "three equal digests again")
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(60) == 0
+    stop_all(nodes)
     assert_ledgers_replay(nodes)
 
 
@@ -212,10 +202,7 @@ def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, float]:
     wait_for(lambda: all(4 in cold_metadata(n) for n in nodes), 120, f"4 rounds with {wire_dtype}")
     sent = metric_value(scrape(nodes[0]), "swarmnode_allreduce_round_sent_bytes")
     loss = cold_metadata(nodes[0])[4]["heldout_loss"]
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(60) == 0
+    stop_all(nodes)
     assert_ledgers_replay(nodes)
     return loss, sent
 
@@ -258,8 +245,5 @@ def test_a_slow_node_contributes_fewer_tokens_with_a_smaller_weight(tmp_path: Pa
     assert weights[slow_id] < 0.5 * min(fast), weights
     assert weights[slow_id] % (4 * 64) == 0  # whole batches of 4 × 64 tokens: the tokens it trained
     assert rounds[-1]["seconds"] < 4 + 20  # never beyond the matchmaking timeout (+ the all-reduce)
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(60) == 0
+    stop_all(nodes)
     assert_ledgers_replay(nodes)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import signal
 from pathlib import Path
 
 import grpc
@@ -21,7 +20,7 @@ from swarmnode.proto.v1 import averaging_pb2, averaging_pb2_grpc
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.security import Security
-from swarmtest import node_status, scrape, start_swarm, wait_for
+from swarmtest import node_status, scrape, start_swarm, stop_all, wait_for
 
 TOKEN = "correct-horse-battery-staple-7f3a"
 ARGS = (
@@ -176,8 +175,7 @@ def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, 
     text = scrape(node)
     assert 'swarmnode_rpc_rejected_total{reason="unauthenticated"}' in text
     assert TOKEN not in text
-    node.signal(signal.SIGTERM)
-    assert node.wait(60) == 0
+    stop_all([node])
     assert TOKEN not in node.log()
 
 
@@ -219,11 +217,8 @@ def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
     stranger_id = stranger.info["node_id"]
     assert all(stranger_id not in node_status_secure(n, pki)["last_group"] for n in nodes)
     assert all(len(node_status_secure(n, pki)["last_group"]) == 2 for n in nodes)
-    for node in [*nodes, stranger]:
-        node.signal(signal.SIGTERM)
-    for node in [*nodes, stranger]:
-        assert node.wait(60) == 0
-        assert TOKEN not in node.log()
+    stop_all([*nodes, stranger])
+    assert all(TOKEN not in node.log() for node in [*nodes, stranger])
 
 
 def node_status_secure(node, pki) -> dict:
