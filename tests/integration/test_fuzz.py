@@ -30,6 +30,8 @@ METHODS = {
     "/grpc.health.v1.Health/Check": "unary",
     "/grpc.health.v1.Health/Watch": "server_stream",
 }
+MSGPACK_INTS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+"""Every integer msgpack can encode (a larger one cannot even be sent)."""
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -131,7 +133,7 @@ datagrams = st.one_of(
         st.binary(min_size=20, max_size=20),
         st.sampled_from(["ping", "store", "find_node", "find_value", "nope"]),
         st.lists(
-            st.one_of(st.binary(max_size=40), st.integers(), st.text(max_size=20), st.none()), max_size=4
+            st.one_of(st.binary(max_size=40), MSGPACK_INTS, st.text(max_size=20), st.none()), max_size=4
         ),
     ),
 )

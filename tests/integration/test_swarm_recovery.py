@@ -83,11 +83,10 @@ def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tm
     wait_for(honest.stopped, 60, "the honest node to stop itself")
 
     def bad_servers_ahead() -> bool:
+        """The honest node stopped in round 0 (inner step 15 of 20): both bad servers past it, one by 3."""
         found = announcements(nodes[1].info["dht_port"])  # asked of a running node: the honest one sleeps
-        if not all(n.info["node_id"] in found for n in nodes):
-            return False
-        honest_step = found[honest.info["node_id"]].outer_step
-        return min(found[n.info["node_id"]].outer_step for n in nodes[1:]) > max(honest_step, 2)
+        steps = [found[n.info["node_id"]].outer_step for n in nodes[1:] if n.info["node_id"] in found]
+        return len(steps) == 2 and min(steps) >= 1 and max(steps) >= 3
 
     wait_for(bad_servers_ahead, 90, "both bad servers' snapshots to be fresher than the honest one's")
     honest.signal(signal.SIGCONT)
