@@ -36,7 +36,7 @@ from swarmnode.data import ShardLoader, default_corpus
 from swarmnode.diloco import DilocoConfig
 from swarmnode.metrics import Metrics
 from swarmnode.model import preset
-from swarmnode.training import RunIdentity, TrainingRun
+from swarmnode.training import RunIdentity, TrainingRun, run_digest
 
 KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality")
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
@@ -117,12 +117,17 @@ def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
+BENCH_NODE_ID = "be" * 20
+"""The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
+
+
 def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
     """A training run of the preset after a few inner steps, so weights and Adam moments are realistic."""
     corpus = default_corpus()
     model_cfg = preset(preset_name, corpus.vocab_size)
     loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
-    identity = RunIdentity("bench", "bench", "bench", corpus.digest, preset_name)
+    digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
+    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
     run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
     run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

@@ -28,11 +28,13 @@ from swarmnode.announcements import snapshots_key
 from swarmnode.bench import BenchResult, timed, trained_run
 from swarmnode.bench_fetch import grpc_fetch
 from swarmnode.bench_procs import ChildFailed, Node, Worker, free_port, json_lines
+from swarmnode.checkpointer import read_local_snapshot
 from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.identity import Identity
 from swarmnode.recovery import RECEIPTS_FILE
 from swarmnode.snapshot import iter_snapshot_files, sha256_file
-from swarmnode.snapshot_read import info_from_file, read_snapshot
+from swarmnode.snapshot_meta import SnapshotMetadata
+from swarmnode.snapshot_read import read_snapshot
 
 RUN_ID = "bench-recovery"
 TIMEOUT_S = 300.0
@@ -168,11 +170,11 @@ def _keep_copy(snapshot_dir: Path, receipt: dict[str, Any], directory: Path) -> 
 
 
 def _isolated_stages(preset_name: str, path: Path, tmp: Path) -> dict[str, float]:
-    info = info_from_file(path)
-    assert info is not None
+    info = read_local_snapshot(path, None).info
     run = trained_run(preset_name, 0, 128, 8)
     template = run.template()
     loaded = read_snapshot(path, expected_id=info.snapshot_id, template=template)
+    meta = SnapshotMetadata.parse(loaded.metadata)
     with Worker(tmp, "serve", str(path)) as server:
         address = f"127.0.0.1:{server.read(TIMEOUT_S)['grpc']}"
         fetch = min(grpc_fetch(address, info, tmp / "fetched") for _ in range(REPEATS))
@@ -183,7 +185,7 @@ def _isolated_stages(preset_name: str, path: Path, tmp: Path) -> dict[str, float
         "decode into tensors": _best(
             lambda: read_snapshot(path, expected_id=info.snapshot_id, template=template)
         ),
-        "load into the model": _best(lambda: run.restore_from_peer(loaded, None, (0, 0))),
+        "load into the model": _best(lambda: run.restore_from_peer(loaded, meta, None, (0, 0))),
     }
 
 

@@ -29,8 +29,8 @@ import torch
 
 from swarmnode import rpc, rpc_server
 from swarmnode.averaging import AveragingServicer, GroupSpec, butterfly_allreduce
+from swarmnode.checkpointer import read_local_snapshot
 from swarmnode.snapshot import SnapshotInfo
-from swarmnode.snapshot_read import info_from_file
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -122,8 +122,7 @@ async def serve(path: Path | None) -> None:
     raw = RawSender(path)
     server = None
     if path is not None:
-        info = info_from_file(path)
-        assert info is not None, f"{path} is not a snapshot file"
+        info = read_local_snapshot(path, None).info
         server = await rpc_server.start_server(
             "127.0.0.1", 0, _OneSnapshot(info), _status("00"), max_serving=4
         )

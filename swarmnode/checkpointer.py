@@ -25,14 +25,20 @@ import torch
 from swarmnode import faults
 from swarmnode.metrics import Metrics
 from swarmnode.snapshot import (
+    MAX_EXPANSION,
+    MAX_HEADER_BYTES,
     SnapshotError,
     SnapshotInfo,
+    SnapshotMismatch,
+    TensorTemplate,
     iter_snapshot_files,
     lower_thread_priority,
+    parse_snapshot_name,
     sha256_file,
     tensor_bytes,
 )
-from swarmnode.snapshot_read import info_from_file
+from swarmnode.snapshot_meta import SnapshotMetadata
+from swarmnode.snapshot_read import check_template, read_header
 from swarmnode.snapshot_write import write_snapshot
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,72 @@ class CheckpointerConfig:
     def __post_init__(self) -> None:
         if self.keep_hot < 1 or self.keep_cold < 1:
             raise ValueError("keep_hot and keep_cold must be at least 1")
+
+
+@dataclass(frozen=True)
+class SnapshotOwner:
+    """Whose snapshots a checkpointer keeps: one node's, of one run configuration, with one tensor set."""
+
+    node_id: str
+    run_digest: str
+    template: TensorTemplate
+
+
+@dataclass(frozen=True)
+class LocalSnapshot:
+    """A snapshot file of this node's, as the scan found it (hash not yet checked)."""
+
+    info: SnapshotInfo
+    meta: SnapshotMetadata
+
+
+def read_local_snapshot(path: Path, owner: SnapshotOwner | None) -> LocalSnapshot:
+    """A snapshot file's info and metadata from its header (cheap; the hash is not checked).
+
+    SnapshotError: the header or metadata is malformed, the name disagrees with the metadata, or the
+    header declares more data than the file could hold. SnapshotMismatch: a sound snapshot, but of
+    another run configuration, another node or another tensor set than `owner`'s (None: any).
+    """
+    parsed = parse_snapshot_name(path.name)
+    if parsed is None:
+        raise SnapshotError("not a snapshot file name")
+    kind, outer, inner, snapshot_id = parsed
+    size = path.stat().st_size
+    header = read_header(path)
+    meta = SnapshotMetadata.parse(header.metadata)
+    if (meta.kind, meta.outer_step, meta.inner_step) != (kind, outer, inner):
+        raise SnapshotError(
+            f"its name says {kind} o{outer}/i{inner}, its metadata {meta.kind} o{meta.outer_step}/"
+            f"i{meta.inner_step}"
+        )
+    if header.data_bytes > MAX_EXPANSION * size + MAX_HEADER_BYTES:
+        raise SnapshotError(f"its header declares {header.data_bytes} bytes, implausible for {size}")
+    if owner is not None:
+        if meta.run_digest != owner.run_digest:
+            raise SnapshotMismatch(
+                f"run digest {meta.run_digest[:12]}…, this run's is {owner.run_digest[:12]}…"
+            )
+        if meta.node_id != owner.node_id:
+            raise SnapshotMismatch(f"written by node {meta.node_id[:12]}, not by this node")
+        check_template(header, owner.template)
+    info = SnapshotInfo(
+        snapshot_id,
+        path,
+        size,
+        outer,
+        inner,
+        kind,
+        meta.created_at,
+        meta.layout,
+        meta.run_id,
+        meta.node_id,
+        meta.committed_cursor,
+    )
+    return LocalSnapshot(info, meta)
+
+
+def _rank(info: SnapshotInfo) -> tuple[int, int, float]:
+    return info.outer_step, info.inner_step, info.created_at
 
 
 @dataclass
@@ -113,8 +185,10 @@ class SpeculativeCheckpointer:
         cfg: CheckpointerConfig,
         metrics: Metrics,
         on_written: Callable[[SnapshotInfo], None] | None = None,
+        owner: SnapshotOwner | None = None,
     ) -> None:
-        self.cfg, self.metrics, self.on_written = cfg, metrics, on_written
+        """`owner`: whose files `scan` accepts from the directory (None: any sound snapshot)."""
+        self.cfg, self.metrics, self.on_written, self.owner = cfg, metrics, on_written, owner
         self._staging = StagingBuffers()
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._idle = threading.Event()
@@ -196,8 +270,8 @@ class SpeculativeCheckpointer:
             return
         seconds = time.perf_counter() - started
         self._record_success(info, raw_bytes, seconds)
-        self._apply_retention()
-        if self.on_written is not None:
+        kept = self._apply_retention()
+        if self.on_written is not None and info in kept:  # never announce a file retention just removed
             self.on_written(info)
 
     def _record_success(self, info: SnapshotInfo, raw_bytes: int, seconds: float) -> None:
@@ -232,42 +306,68 @@ class SpeculativeCheckpointer:
                 exc,
             )
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self) -> list[SnapshotInfo]:
+        """Delete the catalog's oldest snapshots beyond --keep-hot/--keep-cold; the catalog only ever
+        holds this node's snapshots of this run (see `scan`), so nothing else is ever deleted."""
         with self._lock:
             keep = {"hot": self.cfg.keep_hot, "cold": self.cfg.keep_cold}
-            ordered = sorted(
-                self._snapshots, key=lambda s: (s.outer_step, s.inner_step, s.created_at), reverse=True
-            )
             kept, seen = [], {"hot": 0, "cold": 0}
-            for info in ordered:
+            for info in sorted(self._snapshots, key=_rank, reverse=True):
                 seen[info.kind] += 1
                 if seen[info.kind] <= keep[info.kind]:
                     kept.append(info)
                 else:
                     info.path.unlink(missing_ok=True)
-            self._snapshots = sorted(kept, key=lambda s: (s.outer_step, s.inner_step, s.created_at))
+            self._snapshots = sorted(kept, key=_rank)
+            return list(self._snapshots)
 
     # ----- the catalog -----
 
-    def adopt_existing(self, verify: Callable[[Path, str], bool] | None = None) -> list[SnapshotInfo]:
-        """Take the snapshot files already in the directory into the catalog, newest first.
-
-        Files whose hash does not match their name are renamed `*.corrupt` (kept, not deleted) and
-        logged once each. `verify` defaults to a sha256 check of the whole file. Temporary files of a
-        write or a download that a crash interrupted are never snapshots: they are removed.
-        """
+    def scan(self) -> list[LocalSnapshot]:
+        """This node's snapshot files of this run, newest first: headers and metadata checked, hashes not
+        yet (see `adopt`). Temporary files of interrupted writes are removed; a file whose header or
+        metadata is malformed, or whose name disagrees with it, is renamed `*.corrupt` (one warning
+        each); a sound file of another configuration or node is left alone and never counted (one line
+        for all of them). Only what this returns may enter the catalogue and its retention."""
         self._remove_interrupted_writes()
-        check = verify or (lambda path, sid: sha256_file(path) == sid)
-        adopted: list[SnapshotInfo] = []
+        found: list[LocalSnapshot] = []
+        foreign: list[str] = []
         for path in iter_snapshot_files(self.cfg.directory):
-            info = _safe_info(path)
-            if info is None or not check(path, info.snapshot_id):
-                quarantine(path, "its sha256 does not match its name or its header is unreadable")
+            try:
+                found.append(read_local_snapshot(path, self.owner))
+            except SnapshotMismatch as exc:
+                foreign.append(f"{path.name[:40]}: {exc}")
+            except (SnapshotError, OSError) as exc:
+                quarantine(path, str(exc))
+        if foreign:
+            logger.warning(
+                "%d snapshot file(s) in %s belong to another run configuration or node and are ignored "
+                "(kept, never served or counted), e.g. %s",
+                len(foreign),
+                self.cfg.directory,
+                foreign[0],
+            )
+        return found
+
+    def adopt(self, snapshots: list[LocalSnapshot], verified: Callable[[str], bool]) -> list[SnapshotInfo]:
+        """Take scanned snapshots into the catalog once their sha256 matches their name (`verified(id)`
+        skips files a restore already verified); a mismatch is renamed `*.corrupt`."""
+        adopted = []
+        for local in snapshots:
+            info = local.info
+            if not info.path.exists():
+                continue  # quarantined meanwhile (a restore found it bad)
+            if not verified(info.snapshot_id) and sha256_file(info.path) != info.snapshot_id:
+                quarantine(info.path, "its sha256 does not match its name")
                 continue
             adopted.append(info)
         with self._lock:
-            self._snapshots = sorted(adopted, key=lambda s: (s.outer_step, s.inner_step, s.created_at))
+            self._snapshots = sorted(adopted, key=_rank)
         return adopted
+
+    def adopt_existing(self) -> list[SnapshotInfo]:
+        """`scan` then `adopt`, hashing every file (tests, tools)."""
+        return self.adopt(self.scan(), lambda _id: False)
 
     def _remove_interrupted_writes(self) -> None:
         directory = self.cfg.directory
@@ -292,13 +392,6 @@ class SpeculativeCheckpointer:
     def newest_created_at(self) -> float | None:
         snapshots = self.list_snapshots()
         return max((s.created_at for s in snapshots), default=None)
-
-
-def _safe_info(path: Path) -> SnapshotInfo | None:
-    try:
-        return info_from_file(path)
-    except (SnapshotError, OSError):
-        return None
 
 
 def quarantine(path: Path, why: str) -> None:

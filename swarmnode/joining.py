@@ -1,8 +1,9 @@
 """A node (re)joining the swarm: the restore at start, and the fetcher its restores and repairs use.
 
 At start a node gives its --peers up to JOIN_WAIT_S to answer (then goes on without them), restores the
-freshest verified state among its own snapshots and its peers' announced ones (recovery.py), and takes
-the snapshot files it already has into its catalog; those recovery verified are not hashed again.
+freshest verified state among its own snapshots (the checkpointer's scan: this node's files of this run
+only) and its peers' announced ones (recovery.py), and takes its own snapshot files into its catalog;
+those recovery verified are not hashed again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from swarmnode.dht import SwarmDHT
 from swarmnode.membership import Membership
 from swarmnode.metrics import Metrics
 from swarmnode.recovery import Fetcher, Receipt, Recovery
-from swarmnode.snapshot import sha256_file
 from swarmnode.training import TrainingRun
 
 logger = logging.getLogger(__name__)
@@ -40,14 +40,12 @@ async def restore_at_start(
     started = time.perf_counter()
     if has_peers and not await dht.wait_for_peers(JOIN_WAIT_S):
         logger.warning("no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S)
+    local = await asyncio.to_thread(checkpointer.scan)
     peers, own = await membership.announcements()
     lookup_s = time.perf_counter() - started
-    receipt = await recovery.recover(peers, own, lookup_s)
+    receipt = await recovery.recover(peers, own, local, lookup_s)
     receipt.seconds = time.perf_counter() - started
-    verified = recovery.verified
-    await asyncio.to_thread(
-        checkpointer.adopt_existing, lambda path, sid: sid in verified or sha256_file(path) == sid
-    )
+    await asyncio.to_thread(checkpointer.adopt, local, recovery.verified.__contains__)
     log_receipt(receipt)
     return receipt
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from swarmnode import clock, faults, rpc
-from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
+from swarmnode.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.config import ConfigError, NodeConfig
 from swarmnode.data import Corpus, ShardLoader, load_corpus, shard_for_node
 from swarmnode.diloco import DilocoConfig
@@ -97,6 +97,7 @@ class Node:
             ),
             self.metrics,
             on_written=self._on_snapshot_written,
+            owner=SnapshotOwner(self.node_id, digest, self.run_state.template()),
         )
         self.metrics.track_snapshot_age(self.checkpointer.newest_created_at, clock.now)
         self._log_built(corpus, device, shard)
@@ -328,7 +329,6 @@ class Node:
         self.phase = "recovering"
         self.recovery = Recovery(
             self.run_state,
-            self.cfg.snapshot_dir,
             peer_fetcher(self.run_state, self.metrics),
             lambda reason: self.metrics.fetch_failures.labels(reason).inc(),
         )

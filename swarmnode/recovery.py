@@ -1,9 +1,10 @@
 """Coming back after a crash: pick the freshest verified state, restore it, and leave a receipt.
 
-Candidates are this node's own snapshot files and the snapshots its peers announced in the DHT (same
-run digest only), tried freshest first (outer step, then inner step; own snapshot on a tie). A candidate
-that fails (unreachable, refused, hash mismatch, truncated, malformed) is counted and the next one is
-tried. Nothing local changes before a new state has been fully read and verified.
+Candidates are this node's own snapshot files of this run (the checkpointer's scan: other runs' and
+nodes' files never compete) and the snapshots its peers announced in the DHT (same run digest only),
+tried freshest first (outer step, then inner step; own snapshot on a tie). A candidate that fails
+(unreachable, refused, hash mismatch, truncated, malformed) is counted and the next one is tried.
+Nothing local changes before a new state has been fully read and verified.
 
 The node's own data cursor comes from its own snapshot when that is what it restored; otherwise from the
 freshest of its own last DHT announcement and its own older snapshots; else it starts its shard afresh.
@@ -20,23 +21,17 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swarmnode.announcements import Announcement
-from swarmnode.checkpointer import quarantine
-from swarmnode.data import parse_count
+from swarmnode.checkpointer import LocalSnapshot, quarantine
 from swarmnode.feed import ByteFeed, FeedClosed
-from swarmnode.snapshot import (
-    LoadedSnapshot,
-    SnapshotError,
-    SnapshotMismatch,
-    iter_snapshot_files,
-    parse_snapshot_name,
-)
-from swarmnode.snapshot_read import read_header, read_snapshot, read_snapshot_stream
+from swarmnode.snapshot import LoadedSnapshot, SnapshotError, SnapshotMismatch
+from swarmnode.snapshot_meta import SnapshotMetadata
+from swarmnode.snapshot_read import read_snapshot, read_snapshot_stream
 from swarmnode.training import TrainingRun
 
 logger = logging.getLogger(__name__)
@@ -74,12 +69,16 @@ class Receipt:
 class Candidate:
     outer_step: int
     inner_step: int
-    path: Path | None = None  # own snapshot file
+    local: LocalSnapshot | None = None  # own snapshot file
     announcement: Announcement | None = None  # a peer's
 
     @property
     def rank(self) -> tuple[int, int, bool]:
-        return self.outer_step, self.inner_step, self.path is not None
+        return self.outer_step, self.inner_step, self.local is not None
+
+    @property
+    def path(self) -> Path | None:
+        return self.local.info.path if self.local is not None else None
 
     def describe(self) -> str:
         if self.path is not None:
@@ -95,36 +94,38 @@ class CursorChoice:
     steps: tuple[int, int]  # (inner_step, tokens) of this node as of that cursor
 
 
-CursorRule = Callable[[dict[str, Any]], "CursorChoice"]
+CursorRule = Callable[[SnapshotMetadata], "CursorChoice"]
 """Picks this node's cursor given the metadata of the peer snapshot being adopted."""
 
 
 class Recovery:
     """One start's recovery: candidates in, a restored `TrainingRun` and a receipt out."""
 
-    def __init__(
-        self, run: TrainingRun, snapshot_dir: Path, fetch: Fetcher, on_failure: Callable[[str], None]
-    ) -> None:
-        self.run, self.snapshot_dir, self.fetch, self.on_failure = run, snapshot_dir, fetch, on_failure
+    def __init__(self, run: TrainingRun, fetch: Fetcher, on_failure: Callable[[str], None]) -> None:
+        self.run, self.fetch, self.on_failure = run, fetch, on_failure
         self.verified: set[str] = set()
+        self.local: list[LocalSnapshot] = []
 
-    def local_candidates(self) -> list[Candidate]:
-        candidates = []
-        for path in iter_snapshot_files(self.snapshot_dir):
-            _, outer, inner, _ = parse_snapshot_name(path.name)  # type: ignore[misc]
-            candidates.append(Candidate(outer, inner, path=path))
-        return candidates
-
-    async def recover(self, peers: list[Announcement], own: Announcement | None, lookup_s: float) -> Receipt:
+    async def recover(
+        self,
+        peers: list[Announcement],
+        own: Announcement | None,
+        local: list[LocalSnapshot],
+        lookup_s: float,
+    ) -> Receipt:
+        """Restore the freshest candidate that verifies among `local` (this node's own snapshots of this
+        run, from the checkpointer's scan) and `peers`; else start fresh at this node's own cursor."""
+        self.local = list(local)
+        own_candidates = [Candidate(s.info.outer_step, s.info.inner_step, local=s) for s in self.local]
         candidates = sorted(
-            self.local_candidates() + [Candidate(a.outer_step, a.inner_step, announcement=a) for a in peers],
+            own_candidates + [Candidate(a.outer_step, a.inner_step, announcement=a) for a in peers],
             key=lambda c: c.rank,
             reverse=True,
         )
         failed: list[str] = []
 
-        def freshest_own(meta: dict[str, Any]) -> CursorChoice:
-            return self._own_cursor(own, meta.get("swarm_cursors"))
+        def freshest_own(meta: SnapshotMetadata) -> CursorChoice:
+            return self._own_cursor(own, meta.swarm_cursors)
 
         for candidate in candidates:
             receipt = await self._try(candidate, freshest_own, failed)
@@ -132,10 +133,9 @@ class Recovery:
                 receipt.stages_s["lookup"] = lookup_s
                 receipt.failed_candidates = failed
                 return receipt
-        cursor = await asyncio.to_thread(self._own_cursor, own)
+        cursor = self._own_cursor(own)
         if cursor.cursor is not None:
-            self.run.loader.load_state_dict(cursor.cursor)
-            self.run.progress.inner_step, self.run.progress.tokens = cursor.steps
+            self.run.resume_cursor(cursor.cursor, cursor.steps)
         return Receipt(
             source="fresh",
             cursor=self.run.loader.state_dict(),
@@ -146,8 +146,8 @@ class Recovery:
 
     async def _try(self, candidate: Candidate, choose: CursorRule, failed: list[str]) -> Receipt | None:
         try:
-            if candidate.path is not None:
-                return await asyncio.to_thread(self._restore_local, candidate.path)
+            if candidate.local is not None:
+                return await asyncio.to_thread(self._restore_local, candidate.local)
             assert candidate.announcement is not None
             return await self._restore_peer(candidate.announcement, choose)
         except SnapshotMismatch as exc:  # sound, but another configuration's: skip it, keep the file
@@ -175,11 +175,11 @@ class Recovery:
         again; step counters are kept. A catch-up during training: no receipt is written."""
         steps = (self.run.progress.inner_step, self.run.progress.tokens)
 
-        def lineage_or_fresh(meta: dict[str, Any]) -> CursorChoice:
+        def lineage_or_fresh(meta: SnapshotMetadata) -> CursorChoice:
             """Only batches the adopted θ_g holds count: this node's record in its lineage, else none."""
-            if parse_count(meta.get("outer_step")) < min_outer_step:
+            if meta.outer_step < min_outer_step:
                 raise SnapshotError(f"the peer's snapshot is not at outer step {min_outer_step} as announced")
-            mine = self._lineage_cursor(meta.get("swarm_cursors"))
+            mine = self._lineage_cursor(meta.swarm_cursors)
             if mine is not None:
                 return CursorChoice(mine, "round_metadata", steps)
             return CursorChoice({"shard": self.run.loader.shard, "epoch": 0, "position": 0}, "fresh", steps)
@@ -192,15 +192,16 @@ class Recovery:
                 return receipt
         return None
 
-    def _restore_local(self, path: Path) -> Receipt:
-        snapshot_id = parse_snapshot_name(path.name)[3]  # type: ignore[index]
+    def _restore_local(self, local: LocalSnapshot) -> Receipt:
+        path = local.info.path
         started = time.perf_counter()
-        loaded = read_snapshot(path, expected_id=snapshot_id, template=self.run.template())
+        loaded = read_snapshot(path, expected_id=local.info.snapshot_id, template=self.run.template())
         self.verified.add(loaded.snapshot_id)
-        if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
-            raise SnapshotMismatch("it belongs to another run configuration (run digest differs)")
+        meta = SnapshotMetadata.parse(loaded.metadata)  # the very bytes verified, not the scan's read
+        if meta.run_digest != self.run.identity.run_digest or meta.node_id != self.run.identity.node_id:
+            raise SnapshotMismatch("it belongs to another run configuration or node")
         verified = time.perf_counter()
-        self.run.restore_own(loaded)
+        self.run.restore_own(loaded, meta)
         done = time.perf_counter()
         return Receipt(
             source="local",
@@ -212,7 +213,7 @@ class Recovery:
             cursor_source="own_snapshot",
             stages_s={"verify": verified - started, "load": done - verified},
             seconds=done - started,
-            loss_before=loaded.metadata.get("last_loss"),
+            loss_before=meta.last_loss,
         )
 
     async def _restore_peer(self, peer: Announcement, choose: CursorRule) -> Receipt:
@@ -250,11 +251,12 @@ class Recovery:
             raise
 
     def _adopt_peer_snapshot(self, peer: Announcement, loaded: LoadedSnapshot, choose: CursorRule) -> Receipt:
-        if loaded.metadata.get("run_digest") != self.run.identity.run_digest:
+        meta = SnapshotMetadata.parse(loaded.metadata)
+        if meta.run_digest != self.run.identity.run_digest:
             raise SnapshotMismatch("its run digest differs from the one it announced")
         started = time.perf_counter()
-        cursor = choose(loaded.metadata)
-        self.run.restore_from_peer(loaded, cursor.cursor, cursor.steps)
+        cursor = choose(meta)
+        self.run.restore_from_peer(loaded, meta, cursor.cursor, cursor.steps)
         if cursor.cursor is None:
             logger.info(
                 "no cursor of this node's own survives: starting shard %d afresh", self.run.loader.shard
@@ -269,13 +271,13 @@ class Recovery:
             cursor=self.run.loader.state_dict(),
             cursor_source=cursor.source,
             stages_s={"load": time.perf_counter() - started},
-            loss_before=loaded.metadata.get("last_loss"),
+            loss_before=meta.last_loss,
         )
 
-    def _lineage_cursor(self, lineage: Any) -> dict[str, int] | None:
+    def _lineage_cursor(self, lineage: Mapping[str, dict[str, int]] | None) -> dict[str, int] | None:
         """This node's record in a lineage's round metadata (`swarm_cursors`), if it can resume it."""
-        mine = lineage.get(self.run.identity.node_id) if isinstance(lineage, dict) else None
-        return mine if mine and self._resumable(mine) else None
+        mine = lineage.get(self.run.identity.node_id) if lineage is not None else None
+        return dict(mine) if mine and self._resumable(mine) else None
 
     def _resumable(self, cursor: Any) -> bool:
         """Whether this node's loader can resume `cursor` (its shard, within it): a record that came
@@ -286,11 +288,14 @@ class Recovery:
             return False
         return True
 
-    def _own_cursor(self, own: Announcement | None, lineage: dict[str, Any] | None = None) -> CursorChoice:
+    def _own_cursor(
+        self, own: Announcement | None, lineage: Mapping[str, dict[str, int]] | None = None
+    ) -> CursorChoice:
         """This node's cursor for the adopted state. The lineage's record of this node (round metadata
         carried by every snapshot: how far its batches are in θ_g) is exact and wins; without one (a
         node that never averaged with this lineage), the freshest of its own last announcement and its
-        own snapshots' committed cursors; else afresh (DESIGN.md §4)."""
+        own snapshots' committed cursors (this run's only: the scan left other configurations out);
+        else afresh (see "Recovery and the data cursor" in the README)."""
         mine = self._lineage_cursor(lineage)
         if mine is not None:
             steps = (own.inner_step, 0) if own is not None else (0, 0)
@@ -298,22 +303,14 @@ class Recovery:
         options = [CursorChoice(None, "fresh", (0, 0))]
         if own is not None and own.cursor is not None:
             options.append(CursorChoice(own.cursor, "announcement", (own.inner_step, 0)))
-        for candidate in self.local_candidates():
-            meta = _header_metadata(candidate.path)  # type: ignore[arg-type]
-            if meta and meta.get("committed_cursor"):
-                steps = (int(meta.get("inner_step", 0)), int(meta.get("tokens", 0)))
-                options.append(CursorChoice(meta["committed_cursor"], "own_snapshot", steps))
+        for local in self.local:  # a file set aside as corrupt still says how far this node got
+            meta = local.meta
+            steps = (meta.inner_step, meta.tokens)
+            options.append(CursorChoice(dict(meta.committed_cursor), "own_snapshot", steps))
         usable = [o for o in options if o.cursor is None or self._resumable(o.cursor)]
         return max(
             usable, key=lambda o: (-1, -1) if o.cursor is None else (o.cursor["epoch"], o.cursor["position"])
         )
-
-
-def _header_metadata(path: Path) -> dict[str, Any] | None:
-    try:
-        return read_header(path).metadata
-    except (SnapshotError, OSError):
-        return None
 
 
 def append_receipt(data_dir: Path, receipt: Receipt) -> None:

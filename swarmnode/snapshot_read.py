@@ -33,12 +33,10 @@ from swarmnode.snapshot import (
     LoadedSnapshot,
     SnapshotError,
     SnapshotHeader,
-    SnapshotInfo,
     SnapshotMismatch,
     TensorEntry,
     TensorTemplate,
     open_snapshot_file,
-    parse_snapshot_name,
     tensor_bytes,
 )
 
@@ -303,25 +301,3 @@ def _finish(stream: _Decompressed, source: _HashingSource, expected_id: str | No
             f"sha256 mismatch: file hashes to {snapshot_id[:16]}…, expected {expected_id[:16]}…"
         )
     return snapshot_id
-
-
-def info_from_file(path: Path) -> SnapshotInfo | None:
-    """SnapshotInfo of a correctly named file, from its name and header (hash not checked)."""
-    parsed = parse_snapshot_name(path.name)
-    if parsed is None:
-        return None
-    kind, outer, inner, snapshot_id = parsed
-    meta = read_header(path).metadata
-    return SnapshotInfo(
-        snapshot_id,
-        path,
-        path.stat().st_size,
-        outer,
-        inner,
-        kind,
-        float(meta.get("created_at", 0.0)),
-        str(meta.get("layout", "")),
-        str(meta.get("run_id", "")),
-        str(meta.get("node_id", "")),
-        meta.get("committed_cursor", meta.get("cursor")),
-    )

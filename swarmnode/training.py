@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from swarmnode import clock, faults
-from swarmnode.data import Corpus, ShardLoader, parse_count, parse_cursor
+from swarmnode.data import Corpus, ShardLoader
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.metrics import Metrics
 from swarmnode.model import ModelConfig, build_model
 from swarmnode.snapshot import LoadedSnapshot, SnapshotError, TensorTemplate
+from swarmnode.snapshot_meta import SnapshotMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -209,60 +210,54 @@ class TrainingRun:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
-    def check_metadata(self, meta: dict[str, Any], own: bool) -> None:
-        """SnapshotError unless a snapshot's metadata is sound: checked before anything is restored, so
-        a malformed snapshot (a peer is never trusted) leaves this node's state untouched."""
-        try:
-            for key in ("outer_step", "inner_step", "round_step", "round_tokens", "tokens"):
-                parse_count(meta.get(key, 0))
-            parse_count(meta["optimizer"]["adam_step"])
-            for key in ("last_loss", "heldout_loss"):
-                if meta.get(key) is not None and not isinstance(meta[key], int | float):
-                    raise ValueError(f"{key} is not a number")
-            for node_id, cursor in (meta.get("swarm_cursors") or {}).items():
-                if not isinstance(node_id, str):
-                    raise ValueError("swarm_cursors has a non-string node id")
-                parse_cursor(cursor)
-            if own:
-                self.loader.check_state_dict(meta["cursor"])
-                self.loader.check_state_dict(meta["committed_cursor"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SnapshotError(f"malformed snapshot metadata: {exc}") from None
-
-    def restore_own(self, snapshot: LoadedSnapshot) -> None:
-        """Continue exactly where this node's own snapshot left off (bitwise on CPU)."""
-        meta = snapshot.metadata
-        self.check_metadata(meta, own=True)
-        self.trainer.load_state(snapshot.tensors, meta["optimizer"])
-        self.loader.load_state_dict(meta["cursor"])
+    def restore_own(self, snapshot: LoadedSnapshot, meta: SnapshotMetadata) -> None:
+        """Continue exactly where this node's own snapshot left off (bitwise on CPU). `meta` is the
+        snapshot's validated metadata; SnapshotError (nothing changed) if its cursors are not this
+        loader's."""
+        self._check_cursor(meta.cursor)
+        self._check_cursor(meta.committed_cursor)
+        self.trainer.load_state(snapshot.tensors, dict(meta.optimizer))
+        self.loader.load_state_dict(meta.cursor)
         self._restore_progress(meta, keep_round=True)
 
     def restore_from_peer(
-        self, snapshot: LoadedSnapshot, cursor: dict[str, int] | None, own_steps: tuple[int, int]
+        self,
+        snapshot: LoadedSnapshot,
+        meta: SnapshotMetadata,
+        cursor: dict[str, int] | None,
+        own_steps: tuple[int, int],
     ) -> None:
         """Adopt the swarm's state from a peer's snapshot: global params, outer momentum and the inner
         optimizer's moments (a warm start); the local model restarts the round from the global params,
         the RNG stays this node's own, and the data position is this node's `cursor` (None: afresh)."""
-        meta = snapshot.metadata
-        self.check_metadata(meta, own=False)
         if cursor is not None:
-            self.loader.check_state_dict(cursor)
-        self.trainer.load_state(snapshot.tensors, meta["optimizer"], restore_rng=False)
+            self._check_cursor(cursor)
+        self.trainer.load_state(snapshot.tensors, dict(meta.optimizer), restore_rng=False)
         self.trainer.reset_local_to_global()
         if cursor is not None:
             self.loader.load_state_dict(cursor)
         self._restore_progress(meta, keep_round=False)
         self.progress.inner_step, self.progress.tokens = own_steps
 
-    def _restore_progress(self, meta: dict[str, Any], keep_round: bool) -> None:
+    def resume_cursor(self, cursor: dict[str, int], steps: tuple[int, int]) -> None:
+        """A fresh start that keeps this node's place in its shard: its batches before `cursor` are in
+        no state that survives, so that is where its first round begins (and what it has committed)."""
+        self.loader.load_state_dict(cursor)
+        self.progress.committed_cursor = self.loader.state_dict()
+        self.progress.inner_step, self.progress.tokens = steps
+
+    def _check_cursor(self, cursor: dict[str, int]) -> None:
+        try:
+            self.loader.check_state_dict(cursor)
+        except ValueError as exc:
+            raise SnapshotError(f"snapshot cursor does not fit this node: {exc}") from None
+
+    def _restore_progress(self, meta: SnapshotMetadata, keep_round: bool) -> None:
         p = self.progress
-        p.outer_step = int(meta["outer_step"])
-        p.inner_step = int(meta["inner_step"])
-        p.tokens = int(meta.get("tokens", 0))
-        p.last_loss = meta.get("last_loss")
-        p.heldout_loss = meta.get("heldout_loss")
-        p.round_step = int(meta["round_step"]) if keep_round else 0
-        p.round_tokens = int(meta["round_tokens"]) if keep_round else 0
-        p.swarm_cursors = dict(meta.get("swarm_cursors") or {})
-        p.committed_cursor = meta.get("committed_cursor") if keep_round else self.loader.state_dict()
+        p.outer_step, p.inner_step, p.tokens = meta.outer_step, meta.inner_step, meta.tokens
+        p.last_loss, p.heldout_loss = meta.last_loss, meta.heldout_loss
+        p.round_step = meta.round_step if keep_round else 0
+        p.round_tokens = meta.round_tokens if keep_round else 0
+        p.swarm_cursors = {node: dict(cursor) for node, cursor in meta.swarm_cursors.items()}
+        p.committed_cursor = dict(meta.committed_cursor) if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)

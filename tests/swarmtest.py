@@ -249,3 +249,52 @@ def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
         point = (record["shard"], record["epoch"], record["position"])
         points = {end for _, end in report.chain} | {report.anchor}
         assert point in points, f"{node.data_dir.name}: the model holds it up to {point}, not a chain point"
+
+
+def sound_file(
+    directory: Path, document: dict[str, Any], kind: str, outer_step: int, data: bytes = b""
+) -> Path:
+    """A 'sound' snapshot file: a valid zstd stream of a safetensors container with whatever header
+    `document` says, named after its own sha256 (so every hash check passes) — what a crafter makes."""
+    import hashlib
+    import struct
+
+    import zstandard
+
+    from swarmnode.snapshot import snapshot_file_name
+
+    header = json.dumps(document).encode()
+    blob = zstandard.ZstdCompressor().compress(struct.pack("<Q", len(header)) + header + data)
+    path = Path(directory) / snapshot_file_name(kind, outer_step, 0, hashlib.sha256(blob).hexdigest())
+    path.write_bytes(blob)
+    return path
+
+
+def with_metadata(
+    path: Path, changes: dict[str, Any], outer_step: int | None = None, keep_original: bool = False
+) -> Path:
+    """A snapshot file like `path` (which is removed unless `keep_original`) whose JSON metadata has
+    `changes` (and, with `outer_step`, whose name claims that step), named after its new sha256: it
+    passes every hash check."""
+    import hashlib
+    import struct
+
+    import zstandard
+
+    from swarmnode.snapshot import parse_snapshot_name, snapshot_file_name
+
+    with path.open("rb") as f:
+        raw = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True).read()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + length])
+    metadata = {**json.loads(header["__metadata__"]["swarmnode"]), **changes}
+    header["__metadata__"]["swarmnode"] = json.dumps(metadata)
+    encoded = json.dumps(header).encode()
+    blob = zstandard.ZstdCompressor().compress(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
+    kind, outer, inner, _ = parse_snapshot_name(path.name)  # type: ignore[misc]
+    outer = outer if outer_step is None else outer_step
+    crafted = path.with_name(snapshot_file_name(kind, outer, inner, hashlib.sha256(blob).hexdigest()))
+    crafted.write_bytes(blob)
+    if not keep_original:
+        path.unlink()
+    return crafted

@@ -2,24 +2,58 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from swarmnode import faults
-from swarmnode.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
+from swarmnode.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.metrics import Metrics
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot_read import read_snapshot
+from swarmtest import sound_file, with_metadata
+
+NODE = "ab" * 20
+RUN = "1" * 64
+OTHER_RUN = "2" * 64
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
     return {"model/w": torch.full((64, 64), value), "rng/torch": torch.random.get_rng_state()}
 
 
-def meta(step: int) -> dict:
-    return {"outer_step": 0, "inner_step": step, "run_id": "r", "node_id": "n"}
+def meta(step: int, outer: int = 0, run_digest: str = RUN, node_id: str = NODE, **changes: object) -> dict:
+    """Metadata as a node writes it (every field the catalogue validates)."""
+    cursor = {"shard": 0, "epoch": 0, "position": 4 * step}
+    return {
+        "run_id": "r",
+        "node_id": node_id,
+        "run_digest": run_digest,
+        "corpus_digest": "c" * 64,
+        "model": "tiny",
+        "outer_step": outer,
+        "inner_step": step,
+        "round_step": step,
+        "round_tokens": 0,
+        "tokens": 256 * step,
+        "last_loss": 2.5,
+        "heldout_loss": None,
+        "cursor": cursor,
+        "committed_cursor": cursor,
+        "swarm_cursors": {NODE: cursor},
+        "last_round": None,
+        "global_digest": "d" * 64,
+        "optimizer": {"adam_step": step},
+        "created_at": 1.7e9 + step,
+        **changes,
+    }
+
+
+def owner(run_digest: str = RUN) -> SnapshotOwner:
+    live = state(0.0)
+    return SnapshotOwner(NODE, run_digest, {n: (t.dtype, tuple(t.shape)) for n, t in live.items()})
 
 
 @pytest.fixture
@@ -117,3 +151,89 @@ def test_adopting_existing_files_sets_corrupt_ones_aside(tmp_path: Path) -> None
     assert [s.inner_step for s in adopted] == [1]
     assert newest.with_name(newest.name + ".corrupt").exists()
     assert again.find(None).inner_step == 1
+
+
+def write_all(directory: Path, snapshots: list[tuple[dict, str]], keep: int = 50) -> None:
+    ckpt = SpeculativeCheckpointer(CheckpointerConfig(directory, keep_hot=keep, keep_cold=keep), Metrics())
+    try:
+        for metadata, kind in snapshots:
+            ckpt.snapshot(state(1.0), metadata, kind)
+            assert ckpt.wait_idle(30)
+    finally:
+        ckpt.close()
+
+
+def test_snapshots_of_another_configuration_are_ignored_and_never_deleted(tmp_path: Path) -> None:
+    """A `--seed` change in the same data dir: the old run's snapshots (at higher steps) must neither
+    rank above this run's in retention nor be deleted by it."""
+    old = [
+        (meta(i, outer=10 + i, run_digest=OTHER_RUN), kind) for i in range(1, 5) for kind in ("hot", "cold")
+    ]
+    write_all(tmp_path, old)
+    foreign = sorted(p.name for p in iter_snapshot_files(tmp_path))
+    ckpt = SpeculativeCheckpointer(
+        CheckpointerConfig(tmp_path, keep_hot=2, keep_cold=1), Metrics(), owner=owner()
+    )
+    try:
+        assert ckpt.adopt_existing() == []
+        for step in range(1, 5):
+            ckpt.snapshot(state(step), meta(step, outer=step), "hot")
+            ckpt.wait_idle(30)
+            ckpt.snapshot(state(step), meta(step, outer=step), "cold")
+            ckpt.wait_idle(30)
+        kept = [(s.kind, s.outer_step) for s in ckpt.list_snapshots()]
+        newest = ckpt.find(None)
+    finally:
+        ckpt.close()
+    assert kept == [("hot", 3), ("hot", 4), ("cold", 4)]
+    assert newest is not None and newest.outer_step == 4  # what `fetch latest` serves
+    on_disk = {p.name for p in iter_snapshot_files(tmp_path)}
+    assert set(foreign) <= on_disk, "retention deleted another configuration's snapshots"
+    assert len(on_disk) == len(foreign) + 3
+
+
+def test_a_crafted_file_claiming_a_terabyte_never_enters_the_catalogue(tmp_path: Path) -> None:
+    write_all(tmp_path, [(meta(1, outer=1), "cold"), (meta(2, outer=2), "cold")])
+    info = {"format": "swarmnode-snapshot", "format_version": "1", "layout": "plain"}
+    document = {
+        "__metadata__": {
+            **info,
+            "swarmnode": json.dumps(meta(0, outer=999, kind="cold", layout="plain")),
+        },
+        "model/w": {"dtype": "F32", "shape": [1 << 38], "data_offsets": [0, 1 << 40]},
+    }
+    crafted = sound_file(tmp_path, document, "cold", 999)
+    ckpt = SpeculativeCheckpointer(
+        CheckpointerConfig(tmp_path, keep_hot=1, keep_cold=2), Metrics(), owner=owner()
+    )
+    try:
+        adopted = ckpt.adopt_existing()
+        ckpt.snapshot(state(3.0), meta(3, outer=3), "cold")
+        ckpt.wait_idle(30)
+        newest = ckpt.find(None)
+    finally:
+        ckpt.close()
+    assert sorted(s.outer_step for s in adopted) == [1, 2]
+    assert newest is not None and newest.outer_step == 3
+    assert not crafted.exists() and crafted.with_name(crafted.name + ".corrupt").exists()
+    assert sorted(parse_snapshot_name(p.name)[1] for p in iter_snapshot_files(tmp_path)) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("created_at", "yesterday"), ("inner_step", "lots"), ("committed_cursor", [1, 2])]
+)
+def test_a_hash_valid_file_with_a_malformed_field_is_quarantined_with_one_warning(
+    tmp_path: Path, field: str, value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_all(tmp_path, [(meta(1, outer=1), "cold"), (meta(2, outer=2), "cold")])
+    bad = with_metadata(next(iter_snapshot_files(tmp_path)), {field: value})
+    ckpt = SpeculativeCheckpointer(CheckpointerConfig(tmp_path), Metrics(), owner=owner())
+    try:
+        with caplog.at_level("WARNING"):
+            adopted = ckpt.adopt_existing()
+    finally:
+        ckpt.close()
+    assert [s.outer_step for s in adopted] == [1]
+    assert bad.with_name(bad.name + ".corrupt").exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and field in warnings[0], warnings
