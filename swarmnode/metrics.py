@@ -105,6 +105,11 @@ class Metrics:
             "swarmnode_snapshots_served", "Snapshot streams served to peers", registry=r
         )
         self.served_bytes = Counter("swarmnode_served_bytes", "Snapshot bytes sent to peers", registry=r)
+        self.serve_stalls = Counter(
+            "swarmnode_serve_stalls",
+            "Snapshot streams ended because the peer stopped reading or read below the minimum rate",
+            registry=r,
+        )
         self.fetch_bytes = Counter("swarmnode_fetch_bytes", "Snapshot bytes fetched from peers", registry=r)
         self.fetch_failures = Counter(
             "swarmnode_fetch_failures", "Snapshot fetches refused or failed", ["reason"], registry=r

@@ -37,7 +37,11 @@ _COMMON_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     *_KEEPALIVE_OPTIONS,
 ]
-SERVER_OPTIONS = [*_COMMON_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+SERVER_OPTIONS = [
+    *_COMMON_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.so_reuseport", 0),  # gRPC's default lets a second process bind the port and take half the calls
+]
 _CLIENT_OPTIONS = [*_COMMON_OPTIONS, ("grpc.enable_retries", 0)]
 
 

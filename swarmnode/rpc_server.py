@@ -9,6 +9,20 @@ Measured on the 2-core dev VM, 512 MiB over loopback, server in another process 
   CPU per 512 MiB instead of 0.96 s. Clients see the generated message; nothing else changes.
 - A reader thread per stream (4 chunks ahead) and `asyncio.to_thread` per chunk are within noise
   (0.53 vs 0.46 GB/s end to end); the thread lets a test fault block without holding the pool.
+
+A peer that stops reading cannot pin a serving slot (`StreamLimits`). Measured on loopback (1 MiB
+chunks, grpcio 1.85, 5 runs each): a client that reads one message and then stops lets 6-7 more
+chunk writes complete (its HTTP/2 windows, grown by BDP probing, plus the socket buffers; up to 19 in
+a bare gRPC server), then the next `context.write` blocks; one that first read 150 MiB at full speed,
+4-5; one with BDP probing off, none. The windows never grew without bound, so a stall shows as a write
+that does not complete and no channel option is needed; the total-time bound covers a peer whose
+window is large or that reads just enough. So each write runs under `asyncio.timeout` (an async
+generator's `yield` cannot be bounded: gRPC sends outside it). A stalled stream ends
+DEADLINE_EXCEEDED by setting the code and returning, never `context.abort`: the status queues behind
+the unread data either way, and abort waits for it. The slot, the reader thread and the file are freed
+at once; the call itself (the message in flight) lives in gRPC until the peer reads, cancels or
+disconnects, since grpc.aio cannot reset one stream. Initial metadata goes out first on its own: gRPC
+cannot finish a call whose first write, which carries it, was cut.
 """
 
 from __future__ import annotations
@@ -18,10 +32,12 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -51,6 +67,33 @@ READ_AHEAD_CHUNKS = 4
 
 StatusProvider = Callable[[], NodeStatus]
 """Returns the node's current status; called on the event loop, so it must be cheap."""
+
+StallReason = Literal["idle", "slow"]
+"""Why a snapshot stream was ended: a write waited `StreamLimits.idle_s` for a peer that does not read,
+or the stream ran past its minimum rate."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """How long one snapshot stream may hold its serving slot; past either bound the server ends it
+    DEADLINE_EXCEEDED and frees the slot. The defaults are the floor of our own client
+    (rpc_client.MIN_TRANSFER_S, MIN_RATE_BYTES_S, its 10 s per-chunk deadline), with room to spare."""
+
+    idle_s: float = 30.0
+    """Longest one message may wait for the peer to take it (HTTP/2 flow control: it stopped reading);
+    a 1 MiB chunk at the minimum rate takes 4 s."""
+    min_s: float = 60.0
+    min_rate_bytes_s: float = 256 << 10
+    """A stream may take `min_s` plus its bytes at this rate, no longer (checked at each write)."""
+
+    def __post_init__(self) -> None:
+        for name in ("idle_s", "min_s", "min_rate_bytes_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def stream_s(self, nbytes: int) -> float:
+        """The most a stream of `nbytes` may take."""
+        return self.min_s + nbytes / self.min_rate_bytes_s
 
 
 class SnapshotCatalog(Protocol):
@@ -139,6 +182,41 @@ class _ChunkReader:
             self._closed = True
 
 
+class _Stalled(Exception):
+    """The peer did not take a message in time; `reason` says which bound it crossed."""
+
+    def __init__(self, reason: StallReason, message: str) -> None:
+        super().__init__(message)
+        self.reason: StallReason = reason
+
+
+class _BoundedWriter:
+    """Writes one stream's messages, each within `idle_s` and all within the stream's total time;
+    raises `_Stalled` when a write does not complete in time."""
+
+    def __init__(self, context: Any, limits: StreamLimits, nbytes: int) -> None:
+        self._context, self._idle_s, self._total_s = context, limits.idle_s, limits.stream_s(nbytes)
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + self._total_s
+
+    async def start(self) -> None:
+        await self._bounded(self._context.send_initial_metadata(()))
+
+    async def write(self, message: bytes | pb.FetchSnapshotChunk) -> None:
+        await self._bounded(self._context.write(message))
+
+    async def _bounded(self, sending: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(min(self._idle_s, self._deadline - self._loop.time())):
+                await sending
+        except TimeoutError:
+            if self._loop.time() >= self._deadline:
+                raise _Stalled(
+                    "slow", f"the stream ran below the minimum rate ({self._total_s:.1f} s)"
+                ) from None
+            raise _Stalled("idle", f"the peer took no data for {self._idle_s:g} s") from None
+
+
 def peer_host(peer: str) -> str:
     """The caller's address without its port ("ipv4:10.0.0.5:40312" -> "ipv4:10.0.0.5"): streams are
     limited per host, since one machine can open connections from any number of ports."""
@@ -156,11 +234,15 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
         on_served: Callable[[str], None] | None,
         faults: ServeFaults,
         max_per_peer: int,
+        limits: StreamLimits,
+        on_stalled: Callable[[StallReason], None] | None,
     ) -> None:
         self._catalog, self._status, self._max_serving = catalog, status, max_serving
         self._on_served, self._faults, self._max_per_peer = on_served, faults, max_per_peer
+        self._limits, self._on_stalled = limits, on_stalled
         self._serving = 0
         self._per_peer: Counter[str] = Counter()
+        self._stalled_peers: set[str] = set()  # hosts whose stall was logged already
         self._cuts_left = faults.cut_streams
 
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context: Any) -> pb.ListSnapshotsResponse:
@@ -171,30 +253,56 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
         served = tuple(SnapshotMeta.from_info(i) for i in _newest_first(self._catalog.list_snapshots()))
         return status_to_pb(dataclasses.replace(self._status(), snapshots=served))
 
-    async def FetchSnapshot(
-        self, request: pb.FetchSnapshotRequest, context: Any
-    ) -> AsyncIterator[bytes | pb.FetchSnapshotChunk]:
+    async def FetchSnapshot(self, request: pb.FetchSnapshotRequest, context: Any) -> None:
         info = await self._admit(request, context)
         stop = self._stop_offset(info, request.offset)
-        reader = _ChunkReader(info, request.offset, stop, self._faults.chunk_filter)
         peer = peer_host(context.peer())
         self._serving += 1
         self._per_peer[peer] += 1
         try:
-            yield pb.FetchSnapshotChunk(meta=meta_to_pb(info), offset=request.offset)
-            async with contextlib.aclosing(reader.chunks()) as chunks:
-                async for encoded in chunks:
-                    yield encoded
-        except _FileChanged as exc:
-            logger.warning("stopped serving snapshot %s: %s", info.snapshot_id[:12], exc)
-            await context.abort(exc.code, f"snapshot {info.snapshot_id}: {exc}")
+            completed = await self._send(info, request.offset, stop, context, peer)
         finally:
             self._serving -= 1
             self._per_peer[peer] -= 1
             if not self._per_peer[peer]:
                 del self._per_peer[peer]
-        if stop == info.size_bytes and self._on_served is not None:
+        if completed and stop == info.size_bytes and self._on_served is not None:
             self._on_served(info.snapshot_id)
+
+    async def _send(self, info: SnapshotInfo, start: int, stop: int, context: Any, peer: str) -> bool:
+        """Streams bytes [start, stop) of the snapshot; False if the stream ended early with a status
+        (set, not aborted: an abort would wait behind data that a stalled peer never takes)."""
+        writer = _BoundedWriter(context, self._limits, stop - start)
+        reader = _ChunkReader(info, start, stop, self._faults.chunk_filter)
+        try:
+            await writer.start()
+            await writer.write(pb.FetchSnapshotChunk(meta=meta_to_pb(info), offset=start))
+            async with contextlib.aclosing(reader.chunks()) as chunks:
+                async for encoded in chunks:
+                    await writer.write(encoded)
+        except _FileChanged as exc:
+            logger.warning("stopped serving snapshot %s: %s", info.snapshot_id[:12], exc)
+            _end(context, exc.code, f"snapshot {info.snapshot_id}: {exc}")
+            return False
+        except _Stalled as exc:
+            self._stalled(peer, info, exc)
+            _end(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"snapshot {info.snapshot_id}: {exc}")
+            return False
+        return True
+
+    def _stalled(self, peer: str, info: SnapshotInfo, exc: _Stalled) -> None:
+        """Counts a stalled stream; logs it once per peer host."""
+        if peer not in self._stalled_peers:
+            self._stalled_peers.add(peer)
+            logger.warning(
+                "ended the snapshot %s stream to %s: %s (its slot is free; later stalls of this host "
+                "are counted, not logged)",
+                info.snapshot_id[:12],
+                peer,
+                exc,
+            )
+        if self._on_stalled is not None:
+            self._on_stalled(exc.reason)
 
     async def _admit(self, request: pb.FetchSnapshotRequest, context: Any) -> SnapshotInfo:
         """The requested snapshot if this stream may serve it; otherwise aborts the call."""
@@ -230,6 +338,12 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
         return max(start, min(cut, info.size_bytes))
 
 
+def _end(context: Any, code: grpc.StatusCode, details: str) -> None:
+    """Ends the call with this status once the handler returns."""
+    context.set_code(code)
+    context.set_details(details)
+
+
 class RpcServer:
     """A running gRPC server: `port` is the bound port, `stop()` shuts it down."""
 
@@ -255,19 +369,33 @@ async def start_server(
     faults: ServeFaults | None = None,
     security: Security | None = None,
     on_rejected: Callable[[str], None] | None = None,
+    limits: StreamLimits | None = None,
+    on_stalled: Callable[[StallReason], None] | None = None,
 ) -> RpcServer:
     """Starts `SnapshotService` and the standard health service (plus `extra_servicers`, each given
     the server to register on) on host:port (port 0: a free one). At most `max_serving` snapshot
     streams run at once; `on_served(id)` is called after each stream that reached a file's end.
-    With `security`, it serves TLS and/or refuses calls without the swarm token or a client
-    certificate (`on_rejected("unauthenticated")` counts them). Raises OSError if the address cannot
-    be bound."""
+    A stream that crosses `limits` (default `StreamLimits()`) ends DEADLINE_EXCEEDED, its slot freed,
+    and `on_stalled(reason)` counts it. With `security`, it serves TLS and/or refuses calls without
+    the swarm token or a client certificate (`on_rejected("unauthenticated")` counts them). Raises
+    OSError if the address cannot be bound (errno EADDRINUSE when another socket holds the port: the
+    port is never shared, SO_REUSEPORT is off)."""
     if max_serving < 1:
         raise ValueError(f"max_serving must be at least 1, got {max_serving}")
     security = security or Security()
+    _check_bindable(host, port)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServerGuard(security, on_rejected)])
     per_peer = max_serving if max_serving_per_peer is None else max_serving_per_peer
-    servicer = _SnapshotServicer(catalog, status, max_serving, on_served, faults or ServeFaults(), per_peer)
+    servicer = _SnapshotServicer(
+        catalog,
+        status,
+        max_serving,
+        on_served,
+        faults or ServeFaults(),
+        per_peer,
+        limits or StreamLimits(),
+        on_stalled,
+    )
     _register_snapshot_service(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -306,14 +434,43 @@ def _register_snapshot_service(servicer: _SnapshotServicer, server: grpc.aio.Ser
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    address = _address(host, port)
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)
         else:
             bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
+        _check_bindable(host, port)  # taken since the first check: say so with its errno
         raise OSError(f"cannot listen for gRPC on {address}: {exc}") from exc
     if bound == 0:
+        _check_bindable(host, port)
         raise OSError(f"cannot listen for gRPC on {address}")
     return int(bound)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Raises the OSError (EADDRINUSE, EACCES, ...) of binding host:port if no address it resolves to
+    can be bound now. Probed with a socket of our own because gRPC's failure carries no errno (only
+    "Failed to bind", and a line of its own on stderr). Port 0 and unresolvable hosts are left to gRPC."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    refusal: OSError | None = None
+    for family, kind, proto, _, sockaddr in addresses:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                probe.bind(sockaddr)
+                return
+        except OSError as exc:
+            refusal = refusal or exc
+    if refusal is not None:
+        raise OSError(refusal.errno, f"cannot listen for gRPC on {_address(host, port)}: {refusal.strerror}")

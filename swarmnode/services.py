@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from prometheus_client import start_http_server
 from swarmnode import clock, faults, rpc, rpc_server
 from swarmnode.averaging import propose_group
 from swarmnode.checkpointer import SpeculativeCheckpointer
-from swarmnode.config import NodeConfig
+from swarmnode.config import ConfigError, NodeConfig
 from swarmnode.dht import DHTConfig, SwarmDHT
 from swarmnode.identity import Identity
 from swarmnode.matchmaking import Matchmaker
@@ -96,7 +97,7 @@ async def start_services(
         return status(dht.peer_count())
 
     ports.grpc = await _start_rpc(stack, cfg, checkpointer, metrics, security, averaging, status_now)
-    await _start_dht(stack, dht, cfg.peers, metrics)
+    await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
     address = f"{cfg.advertised_host}:{ports.grpc}"
     proposals.matchmaker = matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest)
@@ -121,8 +122,25 @@ def _matchmaker(
     )
 
 
+_BIND_REFUSALS = {errno.EADDRINUSE: "is already in use", errno.EACCES: "may not be bound by this user"}
+
+
+@contextlib.contextmanager
+def _binding(flag: str, host: str, port: int) -> Iterator[None]:
+    """A port that cannot be bound (in use, or privileged) is a usage error naming its flag (exit 2,
+    one line); any other OSError stays a failure."""
+    try:
+        yield
+    except OSError as exc:
+        refusal = _BIND_REFUSALS.get(exc.errno or 0)
+        if refusal is None:
+            raise
+        raise ConfigError(f"{flag}: port {port} on {host} {refusal}") from None
+
+
 def _start_metrics(stack: contextlib.AsyncExitStack, cfg: NodeConfig, metrics: Metrics) -> int:
-    server, _thread = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
+    with _binding("--metrics-port", cfg.host, cfg.metrics_port):
+        server, _thread = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
     stack.callback(server.server_close)
     stack.callback(server.shutdown)  # runs first: stop serving, then close the socket
     return server.server_port
@@ -143,28 +161,31 @@ async def _start_rpc(
         if info is not None:
             metrics.served_bytes.inc(info.size_bytes)
 
-    server = await rpc_server.start_server(
-        cfg.host,
-        cfg.grpc_port,
-        checkpointer,
-        status,
-        max_serving=cfg.max_serving,
-        max_serving_per_peer=cfg.max_serving_per_peer,
-        on_served=on_served,
-        extra_servicers=[averaging.register],
-        faults=serve_faults(),
-        security=security,
-        on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
-    )
+    with _binding("--grpc-port", cfg.host, cfg.grpc_port):
+        server = await rpc_server.start_server(
+            cfg.host,
+            cfg.grpc_port,
+            checkpointer,
+            status,
+            max_serving=cfg.max_serving,
+            max_serving_per_peer=cfg.max_serving_per_peer,
+            on_served=on_served,
+            extra_servicers=[averaging.register],
+            faults=serve_faults(),
+            security=security,
+            on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
+            on_stalled=lambda reason: metrics.serve_stalls.inc(),
+        )
     stack.push_async_callback(server.stop, 1.0)
     return server.port
 
 
 async def _start_dht(
-    stack: contextlib.AsyncExitStack, dht: SwarmDHT, peers: Sequence[str], metrics: Metrics
+    stack: contextlib.AsyncExitStack, dht: SwarmDHT, cfg: NodeConfig, metrics: Metrics
 ) -> None:
-    await dht.start(peers)
-    stack.push_async_callback(dht.stop)
+    stack.push_async_callback(dht.stop)  # before it starts: a start that fails half-way is closed too
+    with _binding("--dht-port", cfg.host, cfg.dht_port):
+        await dht.start(cfg.peers)
     metrics.dht_peers.set_function(dht.peer_count)
 
 

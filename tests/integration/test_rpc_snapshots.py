@@ -421,6 +421,67 @@ def test_one_host_gets_at_most_max_serving_per_peer_streams(tmp_path: Path) -> N
     assert (tmp_path / "got0").read_bytes() == snap.path.read_bytes() and not (tmp_path / "got1").exists()
 
 
+def test_a_reader_that_stops_reading_loses_its_slot_after_the_idle_bound(tmp_path: Path) -> None:
+    snap = write_snapshot(tmp_path, 64 * MiB)  # far more than the HTTP/2 windows and socket buffers hold
+    limits = rpc_server.StreamLimits(idle_s=0.5)
+    stalls: list[str] = []
+
+    async def scenario() -> None:
+        stalled = asyncio.Event()
+
+        def on_stalled(reason: str) -> None:
+            stalls.append(reason)
+            stalled.set()
+
+        async with (
+            serving([snap], max_serving_per_peer=1, limits=limits, on_stalled=on_stalled) as (_, address),
+            grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 2 * MiB)]) as ch,
+        ):
+            call = pb_grpc.SnapshotServiceStub(ch).FetchSnapshot(pb.FetchSnapshotRequest())
+            assert (await call.read()).HasField("meta")  # and then it reads nothing for a while
+            opened = time.monotonic()
+            with pytest.raises(rpc.SnapshotUnavailable) as busy:  # the stalled stream holds the host's slot
+                await rpc_client.fetch_snapshot(address, tmp_path / "early")
+            async with asyncio.timeout(10):
+                await stalled.wait()
+            held_s = time.monotonic() - opened
+            result = await rpc_client.fetch_snapshot(address, tmp_path / "got")
+            with pytest.raises(grpc.aio.AioRpcError) as ended:  # what it was sent, then the status
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        assert busy.value.reason == "refused" and "to your address" in busy.value.detail
+        assert limits.idle_s <= held_s < 5, held_s
+        assert result.snapshot_id == snap.snapshot_id
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    run(scenario)
+    assert stalls == ["idle"]
+    assert (tmp_path / "got").read_bytes() == snap.path.read_bytes()
+
+
+def test_a_reader_below_the_minimum_rate_is_cut_when_its_time_is_up(tmp_path: Path) -> None:
+    snap = write_snapshot(tmp_path, 64 * MiB)
+    limits = rpc_server.StreamLimits(idle_s=30, min_s=1.0, min_rate_bytes_s=64 * MiB)  # 64 MiB in 2 s
+    stalls: list[str] = []
+
+    async def scenario() -> None:
+        async with (
+            serving([snap], limits=limits, on_stalled=stalls.append) as (_, address),
+            grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 2 * MiB)]) as ch,
+        ):
+            call = pb_grpc.SnapshotServiceStub(ch).FetchSnapshot(pb.FetchSnapshotRequest())
+            started, received = time.monotonic(), 0
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    received += len(msg.data)
+                    await asyncio.sleep(0.1)  # a slow link: ~10 MiB/s, never idle for long
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert received < snap.size_bytes and time.monotonic() - started < 10
+
+    run(scenario)
+    assert stalls == ["slow"]
+
+
 def test_unknown_id_and_bad_offset_get_not_found_and_invalid_argument(tmp_path: Path) -> None:
     snap = write_snapshot(tmp_path, MiB)
 
