@@ -54,12 +54,24 @@ class AllReduceResult:
     bytes_sent: int
     """Payload bytes this node sent: its parts and its results."""
     seconds: float
-    contributors: tuple[int, ...]
-    """Per part: members whose contributions were averaged into it (0: the part is not covered)."""
+    included: tuple[frozenset[int], ...]
+    """Per part: the members whose contributions were averaged into it (none: the part is not covered)."""
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        """Per part: how many members' contributions were averaged into it (0: not covered)."""
+        return tuple(len(members) for members in self.included)
+
+    @property
+    def delivered(self) -> frozenset[int]:
+        """The members whose contributions are in every part this node covers (none if it covers
+        none): only their batches of the round are wholly in the outer step."""
+        covered = [members for members in self.included if members]
+        return frozenset.intersection(*covered) if covered else frozenset()
 
 
-_Part = tuple[torch.Tensor, int]
-"""A part's averaged values and how many contributions they average."""
+_Part = tuple[torch.Tensor, frozenset[int]]
+"""A part's averaged values and the members whose contributions they average."""
 
 
 async def _wait_until(event: asyncio.Event, when: float) -> None:
@@ -78,7 +90,7 @@ async def butterfly_allreduce(
     failure; ValueError for bad arguments."""
     _check_call(servicer, spec, my_index, delta, weight)
     if len(spec.members) == 1:
-        return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (1,))
+        return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (frozenset({0}),))
     return await _Butterfly(servicer, spec, my_index, delta, weight).run()
 
 
@@ -124,11 +136,11 @@ class _Butterfly:
             await settle(*tasks)
             self.servicer.end(rnd)
         averaged = await asyncio.to_thread(self._assemble)
-        contributors = tuple(
-            self.parts[k][1] if k in self.parts else 0 for k in range(len(self.spec.members))
+        included = tuple(
+            self.parts[k][1] if k in self.parts else frozenset() for k in range(len(self.spec.members))
         )
         seconds = time.monotonic() - started
-        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, contributors)
+        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, included)
         logger.info(
             "group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
             *(self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members)),
@@ -147,14 +159,15 @@ class _Butterfly:
         n = self.delta.numel()
         out = torch.zeros(n, dtype=torch.float32)
         covered: list[Range] = []
+        carried: list[Range] = []
         for k in sorted(self.parts):
+            values, members = self.parts[k]
             lo, hi = self.spec.part_range(k, n)
-            out[lo:hi].copy_(self.parts[k][0])
-            if covered and covered[-1][1] == lo:
-                lo = covered.pop()[0]
-            if lo < hi:
-                covered.append((lo, hi))
-        return AveragedDelta(out, tuple(covered), len(self.spec.members))
+            out[lo:hi].copy_(values)
+            _extend(covered, lo, hi)
+            if self.me not in members:  # our own Δ is not in this average: keep it as local progress
+                _extend(carried, lo, hi)
+        return AveragedDelta(out, tuple(covered), len(self.spec.members), tuple(carried))
 
     async def _reduce(self, rnd: Round) -> None:
         """Reduces this node's part once every expected contribution is in and its own parts went
@@ -166,7 +179,7 @@ class _Butterfly:
         faults.hit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:
-            self.parts[self.me] = (averaged.values, averaged.contributors)
+            self.parts[self.me] = (averaged.values, frozenset(averaged.included))
         if averaged.contributors < len(self.spec.members):
             logger.warning(
                 "group %s: part %d averages %d of %d members",
@@ -246,7 +259,8 @@ class _Butterfly:
         if first is _EOF or not first.HasField("header"):
             return None
         h = first.header
-        if h.contributors == 0 or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:
+        included = _included(h.included, len(self.spec.members))
+        if not included or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:
             return None
         image = bytearray(wire.encoded_size(self.spec.wire_dtype, hi - lo))
         got = 0
@@ -260,7 +274,24 @@ class _Butterfly:
                 logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
                 return None
         values = await asyncio.to_thread(wire.decode, image, self.spec.wire_dtype, hi - lo)
-        return values, min(int(h.contributors), len(self.spec.members))
+        return values, included
+
+
+def _extend(ranges: list[Range], lo: int, hi: int) -> None:
+    """Appends [lo, hi) to sorted, disjoint `ranges`, merging it with the last one if they touch."""
+    if ranges and ranges[-1][1] == lo:
+        lo = ranges.pop()[0]
+    if lo < hi:
+        ranges.append((lo, hi))
+
+
+def _included(indices: Any, group_size: int) -> frozenset[int]:
+    """The members a result says it averages; none (an unusable result) unless they are distinct
+    indices of the group, ascending."""
+    members = list(indices)
+    if members != sorted(set(members)) or any(k >= group_size for k in members):
+        return frozenset()
+    return frozenset(members)
 
 
 async def propose_group(address: str, spec: GroupSpec, timeout_s: float) -> bool:

@@ -48,6 +48,9 @@ class AveragedDelta:
     delta: torch.Tensor
     covered: tuple[Range, ...]
     group_size: int = 1
+    carried: tuple[Range, ...] = ()
+    """Covered ranges whose average left this node's own Δ out (it arrived late or broke): there the
+    node keeps its Δ as local progress, so its next Δ delivers that work (error feedback)."""
 
     @property
     def coverage(self) -> float:
@@ -143,14 +146,22 @@ class DilocoTrainer:
     @torch.no_grad()
     def outer_step(self, averaged: AveragedDelta) -> None:
         """Nesterov SGD on θ_g over the covered ranges (the exact update of torch.optim.SGD with
-        nesterov=True, dampening 0), then θ ← θ_g there; uncovered ranges keep θ and θ_g as they are."""
+        nesterov=True, dampening 0), then θ ← θ_g there — except on `carried` ranges, where
+        θ ← θ_g − Δ (Δ: this round's `pseudo_gradient()`), so the work the average left out stays in
+        the next Δ; uncovered ranges keep θ and θ_g as they are."""
         mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
         for a, b in averaged.covered:
             grad, buf = averaged.delta[a:b], self.outer_momentum[a:b]
             buf.mul_(mu).add_(grad)
             self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
         self._global_digest = None
-        self._copy_to_local(self.global_flat, averaged.covered)
+        if not averaged.carried:
+            self._copy_to_local(self.global_flat, averaged.covered)
+            return
+        target = self.global_flat.clone()
+        for a, b in averaged.carried:
+            target[a:b].sub_(self._delta[a:b])
+        self._copy_to_local(target, averaged.covered)
 
     def global_changed(self) -> None:
         """θ_g was modified in place from outside (tests): drop the cached digest."""

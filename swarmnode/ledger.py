@@ -4,9 +4,11 @@ Each node appends to DATA_DIR/ledger.jsonl:
 - `{"event": "round", ...}` before every outer step: the cursor range [start, end) its inner phase
   trained (the node may die while its pseudo-gradient is on the wire: the range is then pending);
 - `{"event": "settle", ...}` after it: what became of the round: `applied` (averaged in a group),
-  `solo` (applied alone), `carried` (the step was skipped for low coverage) or `held` (no group: not
-  applied) — in both the work stays local progress and the next round's range covers it again — or
-  `dropped` (its global params had gone astray: trained again after a repair);
+  `solo` (applied alone), `carried` (the step was skipped for low coverage, or the average left this
+  node's Δ out of a part) or `held` (no group: not applied) — in both the work stays local progress and
+  the next round's range covers it again — or `dropped` (its global params had gone astray: trained
+  again after a repair). A group's settle also lists the `group` and the members `included` in every
+  part of its average: the recorder's testimony of whose batches the round's model holds;
 - `{"event": "adopt", ...}` whenever it takes a state and cursor from elsewhere (a start, a recovery,
   a repair): the cursor it continues from.
 
@@ -16,12 +18,17 @@ shard's start. A round left pending by a death is settled by the next adopted cu
 record of the node says whether its last contribution made it into the model. A chain that replays
 proves that no batch of the shard was counted twice or skipped, except the batches of rounds whose
 node died or went astray, which were trained again.
+
+`cross_check` holds each node's chain against the others' testimony: a round a node's chain keeps (its
+batches counted in the model) must not be one whose average another member recorded without it — the
+batches of a member that died mid-round are in no average, so it must come back at the round's start.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +55,22 @@ class Ledger:
     def round(self, outer_step: int, start: dict[str, int], end: dict[str, int]) -> None:
         self._append({"event": "round", "outer_step": outer_step, "start": start, "end": end})
 
-    def settle(self, outer_step: int, status: str, group_size: int, global_digest: str | None) -> None:
-        """What became of round `outer_step`, and the global params' digest after it (None: unchanged)."""
+    def settle(
+        self,
+        outer_step: int,
+        status: str,
+        group_size: int,
+        global_digest: str | None,
+        *,
+        group: Sequence[str] = (),
+        included: Sequence[str] = (),
+    ) -> None:
+        """What became of round `outer_step`, and the global params' digest after it (None: unchanged);
+        for a group, its members and those whose contributions are in every part of the average."""
         assert status in ROUND_STATUSES
         entry = {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
+        if group:
+            entry.update(group=list(group), included=list(included))
         self._append({**entry, "global_digest": global_digest})
 
     def adopt(self, cursor: dict[str, int], source: str, outer_step: int) -> None:
@@ -83,6 +102,7 @@ class LedgerReport:
     retrained: list[tuple[Point, Point]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     anchor: Point | None = None  # the last adopted cursor: where an empty chain starts
+    chain_steps: list[int] = field(default_factory=list)  # the outer step of each range in `chain`
 
     @property
     def end(self) -> Point | None:
@@ -114,8 +134,10 @@ def check(entries: list[dict[str, Any]]) -> LedgerReport:
 def _settle(report: LedgerReport, status: str) -> None:
     if status == "dropped":  # trained again after the repair
         report.retrained.append(report.chain.pop())
+        report.chain_steps.pop()
     elif status in ("held", "carried"):  # still local progress: the next round's range covers it again
         report.chain.pop()
+        report.chain_steps.pop()
 
 
 def _adopt(report: LedgerReport, point: Point, source: str) -> None:
@@ -129,6 +151,7 @@ def _adopt(report: LedgerReport, point: Point, source: str) -> None:
         keep = len(report.chain)
     report.retrained += report.chain[keep:]
     report.chain = report.chain[:keep]
+    report.chain_steps = report.chain_steps[:keep]
     report.anchor = point if keep == 0 else report.anchor
 
 
@@ -141,3 +164,27 @@ def _round(report: LedgerReport, entry: dict[str, Any]) -> None:
             f"round {entry['outer_step']}: starts at {start}, the chain ends at {expected}: batches {kind}"
         )
     report.chain.append((start, end))
+    report.chain_steps.append(int(entry["outer_step"]))
+
+
+def cross_check(ledgers: Mapping[str, list[dict[str, Any]]]) -> list[str]:
+    """Violations of the swarm's ledgers (node id -> entries) taken together: a range a node's chain
+    keeps for round r while a member of r's group recorded an average without it (see the module
+    notes). Each node's own replay (`check`) is separate."""
+    left_out: dict[tuple[int, str], str] = {}  # (round, node) -> a member whose average lacked it
+    for recorder, entries in ledgers.items():
+        for entry in entries:
+            if entry.get("event") == "settle" and entry.get("group"):
+                for member in set(entry["group"]) - set(entry.get("included", ())):
+                    left_out.setdefault((int(entry["outer_step"]), str(member)), recorder)
+    errors = []
+    for node_id, entries in ledgers.items():
+        report = check(entries)
+        for (start, end), step in zip(report.chain, report.chain_steps, strict=True):
+            witness = left_out.get((step, node_id))
+            if witness is not None:
+                errors.append(
+                    f"node {node_id[:12]}: round {step}'s batches {start}→{end} are counted in its chain, "
+                    f"but {witness[:12]}'s average of that round left them out"
+                )
+    return errors

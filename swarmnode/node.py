@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -269,8 +270,16 @@ class Node:
             run.trainer.global_flat[:16] += 1e-3
             run.trainer.global_changed()
             digest = await asyncio.to_thread(run.trainer.global_digest)
-        status = "carried" if not result.averaged.covered else "applied" if len(result.group) > 1 else "solo"
-        await asyncio.to_thread(self.ledger.settle, round_step, status, len(result.group), digest)
+        kept = result.averaged.covered and not result.averaged.carried  # this node's batches all in
+        status = "carried" if not kept else "applied" if len(result.group) > 1 else "solo"
+        await asyncio.to_thread(
+            functools.partial(
+                self.ledger.settle,
+                *(round_step, status, len(result.group), digest),
+                group=result.group if len(result.group) > 1 else (),
+                included=result.included,
+            )
+        )
         self._open_round = None
         if p.outer_step % self.cfg.cold_every == 0:
             await asyncio.to_thread(self._snapshot, "cold")

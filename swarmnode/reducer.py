@@ -29,14 +29,21 @@ _EOF: Any = grpc.aio.EOF
 
 @dataclass(frozen=True)
 class Averaged:
-    """A reducer's result: its wire image and the image's decoded values (None: not averaged)."""
+    """A reducer's result: its wire image and the image's decoded values (None: not averaged), and the
+    members (indices, ascending) whose contributions it averages."""
 
-    contributors: int
+    included: tuple[int, ...] = ()
     image: memoryview | None = None
     values: torch.Tensor | None = None
 
+    @property
+    def contributors(self) -> int:
+        return len(self.included)
 
-_NOT_AVERAGED = Averaged(0)
+
+_NOT_AVERAGED = Averaged()
+Contribution = tuple[int, float, "torch.Tensor | bytearray"]
+"""(member index, token weight, values or their wire image)."""
 
 
 class _Refused(Exception):
@@ -117,13 +124,13 @@ class Round:
         if self.started.is_set() and not self.waiting:
             self.all_in.set()
 
-    def close(self) -> list[tuple[float, torch.Tensor | bytearray]]:
+    def close(self) -> list[Contribution]:
         """The whole contributions, its own included, in member order; any that completes later is
         left out."""
         self.closed = True
         contributions: dict[int, tuple[float, torch.Tensor | bytearray]] = dict(self.contributions)
         contributions[self.my_index] = (self.own_weight, self.own)
-        return [contributions[k] for k in sorted(contributions)]
+        return [(k, *contributions[k]) for k in sorted(contributions)]
 
     def publish(self, averaged: Averaged) -> None:
         if not self.result.done():
@@ -173,25 +180,25 @@ class Round:
         self.give_up(sender)
 
 
-def average(contributions: list[tuple[float, torch.Tensor | bytearray]], wire_dtype: str, n: int) -> Averaged:
+def average(contributions: list[Contribution], wire_dtype: str, n: int) -> Averaged:
     """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the finite contributions of positive weight (so
     equal weights give exactly (Δ₀ + Δ₁) / 2); then its wire image and the image's decoded values,
-    which is what every member applies. Runs on a worker thread."""
-    kept: list[tuple[float, torch.Tensor]] = []
-    for weight, data in contributions:
+    which is what every member applies, and the members it averages. Runs on a worker thread."""
+    kept: list[tuple[int, float, torch.Tensor]] = []
+    for index, weight, data in contributions:
         if weight <= 0:
             continue
         values = data if isinstance(data, torch.Tensor) else wire.decode(data, wire_dtype, n)
         if bool(torch.isfinite(values).all()):
-            kept.append((weight, values))
+            kept.append((index, weight, values))
     if not kept:
         return _NOT_AVERAGED
-    total = sum(weight for weight, _ in kept)
+    total = sum(weight for _, weight, _ in kept)
     acc = torch.zeros(n, dtype=torch.float32)
-    for weight, values in kept:
+    for _, weight, values in kept:
         acc.add_(values, alpha=weight / total)
     image = wire.encode(acc, wire_dtype)
-    return Averaged(len(kept), image, wire.decode(image, wire_dtype, n))
+    return Averaged(tuple(index for index, _, _ in kept), image, wire.decode(image, wire_dtype, n))
 
 
 class AveragingServicer:
@@ -337,7 +344,10 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
 
 async def _send_result(context: Any, rnd: Round, averaged: Averaged) -> None:
     header = pb.AveragedHeader(
-        contributors=averaged.contributors, part_elements=rnd.part_len, wire_dtype=rnd.spec.wire_dtype
+        contributors=averaged.contributors,
+        part_elements=rnd.part_len,
+        wire_dtype=rnd.spec.wire_dtype,
+        included=averaged.included,
     )
     await context.write(pb.AveragedPart(header=header))
     for message, size in wire.chunk_messages(

@@ -2,7 +2,11 @@
 
 `SwarmRounds.average` turns this node's pseudo-gradient into what the outer step may apply:
 - a group formed: the token-weighted average over the parts the all-reduce covered; below
-  --min-coverage nothing is applied (every part stays local progress, carried by the next Δ);
+  --min-coverage nothing is applied (every part stays local progress, carried by the next Δ). Only the
+  members whose contributions are in every covered part (`RoundResult.included`) have their cursors
+  recorded in the lineage: a member left out of a part (it died, or its part came late) has batches
+  that are not wholly in the model, so the lineage keeps its previous record (a dead member trains
+  them again; a live one carries its Δ there, see `AveragedDelta.carried`, and delivers it next round);
 - no partner in time: this node goes on alone (its own Δ), and says so;
 - this node's global params disagree with the majority of the round's offers: nothing is applied and
   the node must repair itself from an up-to-date member before its next inner phase.
@@ -45,11 +49,13 @@ class RoundResult:
     weights: dict[str, float] = field(default_factory=dict)  # members' token weights
     held: bool = False  # no group: the outer step is held (not applied, round counter unchanged)
     missed: bool = False  # the group formed without this node: it is behind and should catch up
+    included: tuple[str, ...] = ()  # members whose contributions are in every covered part
 
     def info(self) -> dict[str, object]:
         """The round as it is kept in snapshot metadata."""
         return {
             "group": list(self.group),
+            "included": list(self.included),
             "weights": self.weights,
             "coverage": self.coverage,
             "seconds": round(self.seconds, 4),
@@ -158,6 +164,7 @@ class SwarmRounds:
             seconds,
             note=note,
             weights={self.node_id: weight},
+            included=(self.node_id,),
         )
 
     async def _allreduce(
@@ -168,7 +175,8 @@ class SwarmRounds:
         averaged = result.averaged
         coverage = averaged.coverage
         members = tuple(m.node_id for m in spec.members)
-        cursors = {m.node_id: m.cursor for m in spec.members if m.cursor is not None}
+        delivered = [m for k, m in enumerate(spec.members) if k in result.delivered]
+        cursors = {m.node_id: m.cursor for m in delivered if m.cursor is not None}
         self._count(result.seconds, result.bytes_sent, len(members), coverage)
         note = ""
         if coverage < self.min_coverage:
@@ -176,9 +184,13 @@ class SwarmRounds:
             note = f"coverage {coverage:.2f} below --min-coverage {self.min_coverage}: outer step skipped"
             logger.warning("round %d: %s; local progress is kept for the next round", spec.round, note)
             averaged = AveragedDelta(averaged.delta, (), averaged.group_size)
-        elif coverage < 1.0:
+            delivered, cursors = [], {}
+        elif coverage < 1.0 or len(delivered) < len(members):
             self.metrics.round_failures.labels("partial").inc()
-            note = f"coverage {coverage:.2f}: un-averaged parts keep their local progress"
+            note = (
+                f"coverage {coverage:.2f}, {len(delivered)} of {len(members)} members in every part: "
+                "un-averaged work stays local progress"
+            )
             logger.warning("round %d: %s", spec.round, note)
         logger.info(
             "round %d: averaged with %d members in %.2f s (coverage %.2f, %.1f MB sent)",
@@ -191,7 +203,15 @@ class SwarmRounds:
         weights = {m.node_id: m.weight for m in spec.members}
         seconds = time.perf_counter() - started
         return RoundResult(
-            averaged, members, cursors, coverage, seconds, result.bytes_sent, note=note, weights=weights
+            averaged,
+            members,
+            cursors,
+            coverage,
+            seconds,
+            result.bytes_sent,
+            note=note,
+            weights=weights,
+            included=tuple(m.node_id for m in delivered),
         )
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:

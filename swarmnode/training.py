@@ -82,7 +82,7 @@ def run_digest(
         "outer_lr": diloco.outer_lr,
         "outer_momentum": diloco.outer_momentum,
         "corpus": corpus_digest,
-        "format": 1,
+        "format": 2,  # 2: averaged parts name the members they hold
     }
     return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
 
@@ -156,17 +156,20 @@ class TrainingRun:
         round_info: dict[str, Any] | None = None,
     ) -> str:
         """The outer step, then a new round; the held-out loss of the new global params is measured.
-        A step that applied nothing (coverage below --min-coverage) leaves the round's work as local
-        progress: its tokens weigh in the next Δ and the committed cursor stays where it was. Returns
-        the new global digest (hashed here, off the event loop)."""
+        A step that applied nothing (coverage below --min-coverage), or whose average left this node's
+        own Δ out of a part (`averaged.carried`), leaves the round's work as local progress: its tokens
+        weigh in the next Δ and the committed cursor stays where it was. `round_cursors` are the
+        cursors of the members whose batches the step holds. Returns the new global digest (hashed
+        here, off the event loop)."""
         self.trainer.outer_step(averaged)
         p = self.progress
         p.outer_step += 1
         p.round_step = 0
         if averaged.covered:
+            p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
+        if averaged.covered and not averaged.carried:
             p.round_tokens = 0
             p.committed_cursor = self.loader.state_dict()
-            p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()

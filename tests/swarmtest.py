@@ -233,14 +233,17 @@ def stop_all(nodes: Sequence[NodeProcess], timeout_s: float = 60) -> None:
 
 
 def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
-    """Every node's ledger replays as one chain (no batch counted twice or skipped, DESIGN §4), and the
-    swarm's newest model records each node at a point of its chain: it holds exactly a prefix of it."""
-    from swarmnode.ledger import check, read_ledger
+    """Every node's ledger replays as one chain (no batch counted twice or skipped), no chain keeps a
+    round whose average another member recorded without it (`ledger.cross_check`), and the swarm's
+    newest model records each node at a point of its chain: it holds exactly a prefix of it."""
+    from swarmnode.ledger import check, cross_check, read_ledger
     from swarmnode.snapshot import parse_snapshot_name
     from swarmnode.snapshot_read import read_header
 
     newest = max((newest_snapshot(n.data_dir) for n in nodes), key=lambda p: parse_snapshot_name(p.name)[1:3])
     lineage = read_header(newest).metadata["swarm_cursors"]
+    ledgers = {node.info["node_id"]: read_ledger(node.data_dir) for node in nodes}
+    assert not (violations := cross_check(ledgers)), violations
     for node in nodes:
         report = check(read_ledger(node.data_dir))
         assert not report.errors, f"{node.data_dir.name}: {report.errors}"

@@ -85,7 +85,7 @@ def finish(nodes: list[NodeProcess], returned_at: int) -> None:
     assert_ledgers_replay(nodes)
 
 
-def kill_cell(tmp_path: Path, reaper, fault: str) -> None:
+def kill_cell(tmp_path: Path, reaper, fault: str) -> dict:
     nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, fault], extra=SHARDS)
     victim = nodes[2]
     assert victim.wait(180) == -signal.SIGKILL, victim.log()[-2000:]
@@ -94,6 +94,7 @@ def kill_cell(tmp_path: Path, reaper, fault: str) -> None:
     victim.restart()
     receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 90, "the victim's restart")[-1]
     finish(nodes, max(receipt["outer_step"], survivors_round(nodes[:2])))
+    return receipt
 
 
 def test_sigkill_in_the_inner_phase(tmp_path: Path, reaper) -> None:
@@ -111,7 +112,15 @@ def test_sigkill_during_a_cold_snapshot_write(tmp_path: Path, reaper) -> None:
 
 @pytest.mark.slow
 def test_sigkill_during_an_allreduce(tmp_path: Path, reaper) -> None:
+    """Killed before its first part went out: the round's averages hold none of its batches, so it must
+    come back at that round's start (the lineage never recorded its end) and train the range again."""
     kill_cell(tmp_path, reaper, "kill@allreduce_send#5")
+    entries = read_ledger(tmp_path / "n2")
+    back = next(
+        i for i, e in enumerate(entries) if e["event"] == "adopt" and entries[i - 1]["event"] == "round"
+    )
+    pending = entries[back - 1]  # the round whose Δ was on the wire at the kill: it never settled
+    assert entries[back]["cursor"] == pending["start"], (pending, entries[back])
 
 
 @pytest.mark.slow

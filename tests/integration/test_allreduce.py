@@ -351,6 +351,8 @@ def test_a_sender_whose_stream_breaks_is_left_out_of_that_part() -> None:
     results, part0 = run(scenario())
     assert_identical(results)
     assert results[0].contributors == (3, 2, 0)
+    assert results[0].included == (frozenset({0, 1, 2}), frozenset({0, 1}), frozenset())
+    assert results[0].delivered == {0, 1}  # member 2's batches are not wholly in the outer step
     spec = group([Member("01", "h:1"), Member("02", "h:1"), Member("03", "h:1")])
     got = results[0].averaged.delta
     p0, p1 = part(spec, 0, n), part(spec, 1, n)
@@ -382,6 +384,8 @@ def test_a_late_sender_is_left_out_but_still_gets_the_average() -> None:
     assert seconds < timeout_s + 1.0
     assert_identical(results)
     assert results[0].contributors == (2, 3, 0)
+    assert results[0].delivered == {0, 1}
+    assert all(r.averaged.carried == () for r in results)  # the survivors' own Δs are in every part
     spec = group([Member("01", "h:1"), Member("02", "h:1"), Member("03", "h:1")])
     got = results[0].averaged.delta
     p0, p1 = part(spec, 0, n), part(spec, 1, n)

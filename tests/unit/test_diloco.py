@@ -108,6 +108,24 @@ def test_uncovered_parts_keep_local_progress_and_global_params() -> None:
     assert torch.equal(trainer.pseudo_gradient()[middle], delta[middle])
 
 
+def test_a_part_averaged_without_this_node_carries_its_delta_to_the_next_round() -> None:
+    """Error feedback: where the swarm's average left this node's Δ out, θ_g moves with the others
+    and θ ← θ_g − Δ, so the next Δ there is exactly the work the average did not receive."""
+    trainer = DilocoTrainer(build_model(CFG, 0, torch.device("cpu")), DILOCO, torch.device("cpu"))
+    for b in batches(3, 7):
+        trainer.inner_step(b)
+    delta = trainer.pseudo_gradient().clone()
+    n = delta.numel()
+    others = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    left_out = (n // 2, n)
+    trainer.outer_step(AveragedDelta(others, ((0, n),), group_size=3, carried=(left_out,)))
+    kept, carried = slice(0, n // 2), slice(*left_out)
+    local = flat(trainer.model)
+    assert torch.equal(local[kept], trainer.global_flat[kept])
+    assert torch.allclose(trainer.pseudo_gradient()[carried], delta[carried], rtol=0, atol=1e-6)
+    assert torch.equal(trainer.pseudo_gradient()[kept], torch.zeros(n // 2))
+
+
 def test_state_round_trip_restores_training_bitwise() -> None:
     def trainer_after(steps: list[Batch]) -> DilocoTrainer:
         t = DilocoTrainer(build_model(CFG, 0, torch.device("cpu")), DILOCO, torch.device("cpu"))

@@ -80,14 +80,16 @@ class Contribution(_message.Message):
     def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AveragedHeader(_message.Message):
-    __slots__ = ("contributors", "part_elements", "wire_dtype")
+    __slots__ = ("contributors", "part_elements", "wire_dtype", "included")
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PART_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
     contributors: int
     part_elements: int
     wire_dtype: str
-    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    included: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., included: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AveragedPart(_message.Message):
     __slots__ = ("header", "offset", "data")
