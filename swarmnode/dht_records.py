@@ -48,7 +48,16 @@ MAX_TOTAL_KEYS = 2048
 MAX_TOTAL_ENTRIES = 8192
 """Entries (all keys, all publishers) one storing node holds at most: ~10 MB worst case."""
 
-RejectReason = Literal["bad_signature", "oversized", "expired", "ttl_too_long", "malformed", "quota"]
+RejectReason = Literal[
+    "bad_signature",
+    "oversized",
+    "expired",
+    "ttl_too_long",
+    "malformed",
+    "quota",
+    "throttled",
+    "unauthenticated",
+]
 REJECT_REASONS: tuple[RejectReason, ...] = (
     "bad_signature",
     "oversized",
@@ -56,6 +65,8 @@ REJECT_REASONS: tuple[RejectReason, ...] = (
     "ttl_too_long",
     "malformed",
     "quota",
+    "throttled",  # a request from a sender that is not a verified contact, over its source's rate
+    "unauthenticated",  # a datagram of a token swarm without a valid tag
 )
 
 # Wire form of an entry: version, public key, signature, seq, expires_at, then the canonical JSON value.

@@ -24,7 +24,16 @@ FETCH_FAILURE_REASONS = (
     "invalid",
 )
 RECOVERY_SOURCES = ("local", "peer", "fresh")
-DHT_REJECT_REASONS = ("bad_signature", "oversized", "expired", "ttl_too_long", "malformed", "quota")
+DHT_REJECT_REASONS = (
+    "bad_signature",
+    "oversized",
+    "expired",
+    "ttl_too_long",
+    "malformed",
+    "quota",
+    "throttled",
+    "unauthenticated",
+)
 SNAPSHOT_FAILURE_REASONS = ("disk_full", "io_error")
 ROUND_FAILURE_REASONS = ("no_partners", "digest_mismatch", "low_coverage", "partial", "error")
 

@@ -113,6 +113,15 @@ class Security:
         tag = hmac.new(self.token.encode(), run_id.encode(), hashlib.sha256).hexdigest()[:16]
         return f"{run_id}.{tag}"
 
+    def dht_datagram_key(self) -> bytes | None:
+        """The key that tags every DHT datagram of a token swarm (`swarmnode.dht`); None without a token.
+
+        HMAC-SHA256 of a fixed label under the token: a run id cannot be that label (it has no '/'), so
+        the key is none of the `dht_namespace` tags, and it reveals nothing about the token."""
+        if not self.token:
+            return None
+        return hmac.new(self.token.encode(), b"swarmnode/dht-datagram-key/v1", hashlib.sha256).digest()
+
 
 def _read(path: Path | None, flag: str) -> bytes | None:
     if path is None:

@@ -89,7 +89,7 @@ async def start_services(
     )
     dht = SwarmDHT(  # wired now (the status reads its peer count), started after the gRPC server
         identity,
-        DHTConfig(host=cfg.host, port=cfg.dht_port),
+        DHTConfig(host=cfg.host, port=cfg.dht_port, datagram_key=security.dht_datagram_key()),
         on_reject=lambda reason: metrics.dht_rejected.labels(reason).inc(),
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -15,11 +17,20 @@ import pytest
 import umsgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
 from swarmnode import dht, dht_records
-from swarmnode.dht import MAX_ANSWER_ENTRY_BYTES, DHTConfig, SwarmDHT, SwarmProtocol, parse_peer
+from swarmnode.dht import (
+    MAX_ANSWER_ENTRY_BYTES,
+    MAX_VERIFYING_PER_SOURCE,
+    DHTConfig,
+    SwarmDHT,
+    SwarmProtocol,
+    datagram_tag,
+    parse_peer,
+)
 from swarmnode.dht_records import (
     CLOCK_SKEW_S,
     MAX_RECORD_BYTES,
@@ -37,6 +48,7 @@ from swarmnode.dht_records import (
 )
 from swarmnode.identity import Identity
 from swarmnode.metrics import DHT_REJECT_REASONS
+from swarmnode.security import Security
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,6 +86,15 @@ class Member:
     @property
     def contact(self) -> Node:
         return Node(self.identity.node_id, "127.0.0.1", self.dht.port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return "127.0.0.1", self.dht.port
+
+    def contacts(self) -> dict[bytes, tuple[str, int]]:
+        """Every node id in the routing table, with the address it is held at."""
+        buckets = self.protocol.router.buckets
+        return {n.id: (n.ip, n.port) for bucket in buckets for n in bucket.get_nodes()}
 
 
 async def start_member(
@@ -620,5 +641,313 @@ def test_cancelled_lookup_leaves_no_error_behind() -> None:
 
             await eventually(requests_settled)
         assert errors == []
+
+    run(scenario())
+
+
+# --- forged contacts, floods and token swarms -----------------------------------------------------------
+
+
+class Forger(asyncio.DatagramProtocol):
+    """A raw rpcudp peer on 127.0.0.1 that sends requests in any node id's name and records what comes
+    back. It answers nothing unless ``answer_as`` is set: then pings with that id, other requests with an
+    empty node list. With ``key`` it tags what it sends and strips the tags of what it receives, as a
+    token swarm's node does."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key
+        self.answer_as: bytes | None = None
+        self.transport: Any = None
+        self.requests: list[tuple[str, list[Any], tuple[str, int], bytes]] = []  # name, args, sender, msg id
+        self.answers: Counter[tuple[str, int]] = Counter()  # answers received, per sender
+        self.answered: list[bytes] = []  # msg ids of the requests answered
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.key is not None:
+            data, tag = data[: -dht.TAG_BYTES], data[-dht.TAG_BYTES :]
+            assert tag == datagram_tag(self.key, data), "a datagram with a bad tag"
+        kind, msg_id, body = data[:1], data[1:21], umsgpack.unpackb(data[21:])
+        if kind == b"\x01":
+            self.answers[addr] += 1
+            self.answered.append(msg_id)
+        elif kind == b"\x00":
+            self.requests.append((body[0], body[1], addr, msg_id))
+            if self.answer_as is not None:
+                self.answer(self.requests[-1], self.answer_as if body[0] == "ping" else [])
+
+    def answer(self, request: tuple[str, list[Any], tuple[str, int], bytes], value: object) -> None:
+        _, _, addr, msg_id = request
+        self.send_raw(b"\x01" + msg_id + umsgpack.packb(value), addr)
+
+    def send_raw(self, datagram: bytes, addr: tuple[str, int]) -> None:
+        tag = b"" if self.key is None else datagram_tag(self.key, datagram)
+        self.transport.sendto(datagram + tag, addr)
+
+    def ping(self, addr: tuple[str, int], node_id: bytes) -> bytes:
+        """Send a ping in ``node_id``'s name; its msg id."""
+        msg_id = os.urandom(20)
+        self.send_raw(b"\x00" + msg_id + umsgpack.packb(["ping", [node_id]]), addr)
+        return msg_id
+
+    def pinged_by(self, addr: tuple[str, int]) -> int:
+        """Pings (verification pings) received from ``addr``."""
+        return sum(1 for name, _, sender, _ in self.requests if name == "ping" and sender == addr)
+
+    @property
+    def port(self) -> int:
+        port: int = self.transport.get_extra_info("sockname")[1]
+        return port
+
+
+@asynccontextmanager
+async def forger(key: bytes | None = None) -> AsyncIterator[Forger]:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_datagram_endpoint(
+        lambda: Forger(key), local_addr=("127.0.0.1", 0)
+    )
+    try:
+        yield protocol
+    finally:
+        transport.close()
+
+
+async def flood(source: Forger, targets: list[Member], count: int, batch: int = 50) -> None:
+    """``count`` pings from random node ids to each target. Each batch has arrived (answered or counted as
+    throttled) before the next is sent, so no socket buffer drops any of them."""
+    for start in range(0, count, batch):
+        for target in targets:
+            for _ in range(min(batch, count - start)):
+                source.ping(target.address, os.urandom(20))
+        sent = min(start + batch, count)
+
+        async def arrived(sent: int = sent) -> bool:
+            return all(source.answers[t.address] + t.rejects["throttled"] >= sent for t in targets)
+
+        await eventually(arrived)
+
+
+async def verifications_settled(member: Member) -> bool:
+    """No request of ``member``'s is pending and no task of its protocol is left (a verification's task
+    lives until what its answer started is under way)."""
+    return not member.protocol._outstanding and not member.protocol._tasks
+
+
+def test_forged_pings_from_random_ids_never_enter_the_routing_table() -> None:
+    async def scenario() -> None:
+        async with swarm(2) as (victim, honest), forger() as source:
+            await flood(source, [victim], 200)
+            await eventually(lambda: verifications_settled(victim))
+            assert victim.contacts() == {honest.identity.node_id: honest.address}
+            assert 1 <= source.pinged_by(victim.address) <= 2 * MAX_VERIFYING_PER_SOURCE
+            assert source.answers[victim.address] < 200 and victim.rejects["throttled"] > 0
+
+    run(scenario())
+
+
+def test_a_forger_that_answers_for_its_id_gets_in_only_after_verification() -> None:
+    async def scenario() -> None:
+        async with swarm(1) as (victim,), forger() as source:
+            forged_id = Identity.generate().node_id
+            source.ping(victim.address, forged_id)
+
+            async def verification_sent() -> bool:
+                return source.answers[victim.address] == 1 and source.pinged_by(victim.address) == 1
+
+            await eventually(verification_sent)
+            assert forged_id not in victim.contacts()  # answered, but not a contact on its word
+            (verification,) = source.requests
+            source.answer(verification, forged_id)
+
+            async def admitted() -> bool:
+                return victim.contacts().get(forged_id) == ("127.0.0.1", source.port)
+
+            await eventually(admitted)
+
+    run(scenario())
+
+
+def test_a_known_id_writing_from_a_new_address_moves_only_once_it_answers_there() -> None:
+    async def scenario() -> None:
+        async with swarm(2) as (victim, honest), forger() as source:
+            source.ping(victim.address, honest.identity.node_id)  # claims the honest node's id elsewhere
+
+            async def verification_sent() -> bool:
+                return source.pinged_by(victim.address) == 1
+
+            await eventually(verification_sent)
+            await eventually(lambda: verifications_settled(victim))  # the forger never answered it
+            assert victim.contacts() == {honest.identity.node_id: honest.address}
+
+    run(scenario())
+
+
+def test_a_live_nodes_id_claimed_at_another_address_stays_with_the_live_node() -> None:
+    async def scenario() -> None:
+        async with swarm(2) as (victim, honest), forger() as source:
+            source.answer_as = honest.identity.node_id  # answers the verification ping with that id too
+            source.ping(victim.address, honest.identity.node_id)
+
+            async def verified_there() -> bool:
+                return source.pinged_by(victim.address) == 1
+
+            await eventually(verified_there)
+            await eventually(lambda: verifications_settled(victim))  # and the old address asked again
+            assert victim.contacts() == {honest.identity.node_id: honest.address}
+
+    run(scenario())
+
+
+def test_contacts_from_an_answer_enter_only_with_the_id_they_prove() -> None:
+    """A liar's find_node answer names ids at an address that answers every request, but its pings
+    only with its own id: none of the named ids becomes a contact."""
+
+    async def scenario() -> None:
+        async with swarm(2, classes={1: ForgingDHT}) as (reader, liar), forger() as source:
+            source.answer_as = Identity.generate().node_id
+            named = [near(DKEY, i) for i in range(1, 21)]
+            assert isinstance(liar.protocol, ForgingProtocol)
+            liar.protocol.forged = [(node_id, "127.0.0.1", source.port) for node_id in named]
+            await reader.dht.get(KEY)  # asks the named contacts: they answer, but under another id
+            await eventually(lambda: verifications_settled(reader))
+            assert source.pinged_by(reader.address) >= 1  # verified: the answers named another id
+            assert reader.contacts() == {liar.identity.node_id: liar.address}
+
+    run(scenario())
+
+
+class ForgingProtocol(SwarmProtocol):
+    """Puts ``forged`` contacts at the head of every node list it answers with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.forged: list[tuple[bytes, str, int]] = []
+
+    def rpc_find_node(self, sender: tuple[str, int], nodeid: object, key: object) -> list[tuple[Any, ...]]:
+        return [*self.forged, *super().rpc_find_node(sender, nodeid, key)]
+
+
+class ForgingDHT(SwarmDHT):
+    protocol_class = ForgingProtocol
+
+
+def test_a_lying_answer_full_of_dead_contacts_costs_a_look_up_less_than_a_request_timeout() -> None:
+    async def scenario() -> None:
+        config = DHTConfig(request_timeout_s=1.0, republish_interval_s=3600)
+        async with swarm(3, config, classes={1: ForgingDHT}) as (seed, liar, reader), forger() as dead:
+            await seed.dht.publish(KEY, {"addr": "honest"}, ttl_s=60)
+
+            async def knows_both() -> bool:
+                return set(reader.contacts()) == {seed.identity.node_id, liar.identity.node_id}
+
+            await eventually(knows_both)
+            assert isinstance(liar.protocol, ForgingProtocol)  # 20 ids nearer the key than anyone, all dead
+            liar.protocol.forged = [(near(DKEY, i), "127.0.0.1", dead.port) for i in range(1, 21)]
+            started = time.monotonic()
+            result = await reader.dht.get(KEY)
+            elapsed = time.monotonic() - started
+            assert elapsed < config.request_timeout_s, f"{elapsed:.2f} s"
+            assert values(result) == {seed.identity.node_id_hex: {"addr": "honest"}}
+            assert len(dead.requests) >= 20  # the look-up did ask the dead contacts
+
+    run(scenario())
+
+
+def test_a_flood_of_forged_pings_does_not_slow_honest_publish_and_get() -> None:
+    async def timed(writer: Member, reader: Member, rounds: int) -> float:
+        """Median seconds of a publish and a get between the two."""
+        times = []
+        for i in range(rounds):
+            started = time.monotonic()
+            assert await writer.dht.publish(KEY, {"i": i}, ttl_s=60)
+            assert values(await reader.dht.get(KEY)) == {writer.identity.node_id_hex: {"i": i}}
+            times.append(time.monotonic() - started)
+        return statistics.median(times)
+
+    async def scenario() -> None:
+        async with swarm(2) as (writer, reader), forger() as source:
+            await timed(writer, reader, 2)  # warm-up
+            before = await timed(writer, reader, 9)
+            await flood(source, [writer, reader], 2000)
+            after = await timed(writer, reader, 9)
+            for member, other in ((writer, reader), (reader, writer)):
+                assert member.contacts() == {other.identity.node_id: other.address}
+                # every forged ping was answered or throttled, and no honest request was throttled
+                assert member.rejects["throttled"] == 2000 - source.answers[member.address] > 0
+            assert after <= 5 * before, (
+                f"median publish+get {before * 1e3:.1f} ms before, {after * 1e3:.1f} after"
+            )
+
+    run(scenario(), timeout_s=50)
+
+
+def test_stranger_tokens_refill_at_their_rate_per_source() -> None:
+    clock = FakeClock()
+    buckets = dht._TokenBuckets(rate_per_s=10.0, burst=3, max_sources=2, clock=clock)
+    assert [buckets.take("a") for _ in range(4)] == [True, True, True, False]
+    assert buckets.take("b")  # another source has its own bucket
+    clock.now += 0.1
+    assert buckets.take("a") and not buckets.take("a")
+
+
+TOKEN_KEY = Security(token="swarm-secret").dht_datagram_key()
+
+
+def test_a_token_swarm_answers_only_tagged_datagrams() -> None:
+    async def scenario() -> None:
+        assert TOKEN_KEY is not None and Security(token="other").dht_datagram_key() != TOKEN_KEY
+        config = dataclasses.replace(FAST, datagram_key=TOKEN_KEY)
+        async with swarm(2, config) as (node, peer), forger() as source:
+            await peer.dht.publish(KEY, {"with": "token"}, ttl_s=60)  # two token nodes work together
+            assert values(await node.dht.get(KEY)) == {peer.identity.node_id_hex: {"with": "token"}}
+            request = b"\x00" + os.urandom(20) + umsgpack.packb(["ping", [Identity.generate().node_id]])
+            source.send_raw(request, node.address)  # a stock rpcudp ping
+            source.send_raw(request + datagram_tag(b"k" * 32, request), node.address)
+            source.send_raw(request + datagram_tag(TOKEN_KEY, request)[:-1] + b"?", node.address)
+            source.key = TOKEN_KEY
+            good = source.ping(node.address, Identity.generate().node_id)
+
+            async def answered() -> bool:
+                return bool(source.answered)
+
+            await eventually(answered)  # datagrams arrive in order: the earlier ones got no answer
+            assert source.answered == [good]
+            assert node.rejects == Counter({"unauthenticated": 3})
+
+    run(scenario())
+
+
+def test_a_node_without_the_token_cannot_join_a_token_swarm() -> None:
+    async def scenario() -> None:
+        config = dataclasses.replace(FAST, datagram_key=TOKEN_KEY)
+        async with swarm(1, config) as (node,):
+            outsider = await start_member([f"127.0.0.1:{node.dht.port}"])
+            try:
+                assert outsider.dht.peer_count() == 0 and node.dht.peer_count() == 0
+                assert node.rejects["unauthenticated"] >= 1
+            finally:
+                await outsider.dht.stop()
+
+    run(scenario())
+
+
+def test_a_stock_kademlia_node_bootstraps_from_a_node_without_a_token() -> None:
+    async def scenario() -> None:
+        async with swarm(1) as (node,):
+            stock = Server()
+            await stock.listen(0, interface="127.0.0.1")
+            try:
+                found = await stock.bootstrap([node.address])
+                assert [n.id for n in found] == [node.identity.node_id]
+                port = stock.transport.get_extra_info("sockname")[1]
+
+                async def verified() -> bool:
+                    return node.contacts() == {stock.node.id: ("127.0.0.1", port)}
+
+                await eventually(verified)
+            finally:
+                stock.stop()
 
     run(scenario())
