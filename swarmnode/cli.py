@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -170,25 +170,29 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(vars(args), os.environ, args.config)
-    if args.dry_run:
+    from swarmnode.node import Node, preflight
+
+    if args.dry_run:  # every start-up check a real start makes, and nothing created
+        _checked(preflight, cfg)
         print(json.dumps(cfg.redacted(), indent=2, sort_keys=True))
         return 0
-    try:
-        faults.configure(os.environ.get("SWARMNODE_FAULTS"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    _checked(faults.configure, os.environ.get("SWARMNODE_FAULTS"))
     setup_logging(cfg.log_format)
-    from swarmnode.node import Node
     from swarmnode.progress import ProgressReporter
 
     node = Node(cfg, progress=ProgressReporter.for_stream(sys.stderr, cfg.log_format))
+    _checked(node.build)  # runs `preflight` first, before anything listens
+    return asyncio.run(node.run())
+
+
+def _checked(step: Callable[..., Any], *args: Any) -> Any:
+    """`step(*args)`; a ValueError on the way (bad data or model settings) is a ConfigError: exit 2."""
     try:
-        node.build()
+        return step(*args)
     except ConfigError:
         raise
-    except ValueError as exc:  # bad data or model settings found while building
+    except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return asyncio.run(node.run())
 
 
 class JsonFormatter(logging.Formatter):

@@ -376,7 +376,9 @@ def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="TOML file of flag values (keys as flag names, e.g. inner-steps = 100)",
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="validate the configuration, print it as JSON and exit"
+        "--dry-run",
+        action="store_true",
+        help="run every start-up check (creating nothing), print the configuration as JSON and exit",
     )
     defaults = NodeConfig.__dataclass_fields__
     for flag in FLAGS:
