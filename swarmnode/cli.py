@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the node's local weights instead of the swarm's global params",
     )
     sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery (~1 min)")
+    ledger = sub.add_parser("ledger", help="the receipts ledgers of nodes")
+    ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=OneLineParser)
+    check = ledger_sub.add_parser(
+        "check", help="replay each node's ledger: no batch counted twice or skipped (exit 1 if one was)"
+    )
+    check.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a node's --data-dir")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
     bench = sub.add_parser(
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
@@ -125,12 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, inside the try
+        return code
     except ConfigError as exc:
         print(f"swarmnode {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # As the Python docs advise for SIGPIPE: the rest of the output goes nowhere, so the flush at
+        # exit cannot fail again, and the command ends with 1 and no traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -155,6 +169,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         snapshot = None if args.snapshot in ("latest", "") else args.snapshot
         return fetch_command(args.address, snapshot, args.out)
+    if args.command == "ledger":
+        return _ledger_check(args.dirs, as_json=args.json)
     if args.command == "demo":
         from swarmnode.demo import run_demo
 
@@ -183,6 +199,32 @@ def _run(args: argparse.Namespace) -> int:
     node = Node(cfg, progress=ProgressReporter.for_stream(sys.stderr, cfg.log_format))
     _checked(node.build)  # runs `preflight` first, before anything listens
     return asyncio.run(node.run())
+
+
+def _ledger_check(dirs: list[Path], as_json: bool) -> int:
+    """`swarmnode ledger check`: one line per node, then one per violation across them (`cross_check`),
+    or JSON; exit 1 on any violation, 2 for a directory without a ledger."""
+    from swarmnode.ledger import check_dirs, cross_check
+
+    replayed = _checked(check_dirs, dirs)
+    nodes = [{k: v for k, v in node.items() if k != "entries"} for node in replayed]
+    if any(node["violations"] for node in nodes):  # a malformed ledger: its chain is not evidence
+        across = []
+    else:
+        across = cross_check({node["node_id"]: node["entries"] for node in replayed})
+    ok = not across and not any(node["violations"] for node in nodes)
+    if as_json:
+        print(json.dumps({"ok": ok, "nodes": nodes, "across_nodes": across}, indent=2))
+        return 0 if ok else 1
+    for node in nodes:
+        head = f"{node['dir']}: node {node['node_id'][:12]}"
+        if node["violations"]:
+            print(f"{head}: {len(node['violations'])} violation(s): " + "; ".join(node["violations"]))
+        else:
+            print(f"{head}: ok ({node['rounds']} rounds in the chain, {node['retrained']} trained again)")
+    for violation in across:
+        print(f"across nodes: {violation}")
+    return 0 if ok else 1
 
 
 def _checked(step: Callable[..., Any], *args: Any) -> Any:

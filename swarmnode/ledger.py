@@ -188,3 +188,33 @@ def cross_check(ledgers: Mapping[str, list[dict[str, Any]]]) -> list[str]:
                     f"but {witness[:12]}'s average of that round left them out"
                 )
     return errors
+
+
+def check_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
+    """Each node's ledger in these data dirs, replayed with `check`: per node its dir, node id, entries,
+    rounds in the chain, rounds trained again and violations (a line that is no entry is one).
+    ValueError for a directory without a ledger."""
+    missing = [d for d in dirs if not (d / LEDGER_FILE).is_file()]
+    if missing:
+        raise ValueError(f"{str(missing[0])!r} has no {LEDGER_FILE} (is it a node's --data-dir?)")
+    nodes: list[dict[str, Any]] = []
+    for directory in dirs:
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        bad_lines = []
+        lines = (directory / LEDGER_FILE).read_text(errors="replace").splitlines()
+        for number, line in enumerate(lines, 1):
+            try:
+                entry = json.loads(line)
+                by_node.setdefault(str(entry["node_id"]), []).append(entry)
+            except (ValueError, TypeError, KeyError):
+                if line.strip():
+                    bad_lines.append(f"line {number} is not a ledger entry")
+        for node_id, entries in by_node.items() or {"?": []}.items():
+            try:
+                report = check(entries)
+            except (KeyError, TypeError, ValueError) as exc:  # an entry without the fields of its event
+                report = LedgerReport(errors=[f"malformed entry {exc!r}"])
+            found: dict[str, Any] = {"rounds": len(report.chain), "retrained": len(report.retrained)}
+            found["violations"] = bad_lines + report.errors
+            nodes.append({"dir": str(directory), "node_id": node_id, "entries": entries, **found})
+    return nodes

@@ -17,13 +17,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import functools
 import hashlib
 import hmac
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,12 +335,21 @@ def _wrap(
 
         return unary
 
-    async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+    async def streaming(request: Any, context: Any) -> None:
+        # It writes a generator's responses itself (gRPC's reader/writer API), as a handler that writes
+        # through the context does: a write into a call whose peer cancelled it fails (InternalError)
+        # before gRPC has seen the cancellation, and gRPC logs a failure of its own write (after a
+        # `yield`) as an ERROR with a traceback. A cancelled call is routine, so it ends as one (gRPC
+        # logs that at debug); the generator is closed at once, so its `finally` frees what it holds.
         result = behaviour(await _prepare(request, context, admitted, request_streaming), context)
-        if inspect.isasyncgen(result):
-            async for item in result:
-                yield item
-        else:  # a handler that writes through the context
-            await result
+        try:
+            if inspect.isasyncgen(result):
+                async with contextlib.aclosing(result) as responses:
+                    async for item in responses:
+                        await context.write(item)
+            else:
+                await result
+        except grpc.aio.InternalError:  # a batch (message, metadata, status) the ended call refused
+            raise asyncio.CancelledError from None
 
     return streaming

@@ -1,15 +1,24 @@
-"""The `swarmnode` command: start-up checks before anything listens, and the data-dir lock."""
+"""The `swarmnode` command: start-up checks before anything listens, the data-dir lock, a closed output
+pipe and `swarmnode ledger check`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from swarmnode import cli, node
+from swarmnode import cli, node, rpc, rpc_server
 from swarmnode.config import ConfigError
+from swarmnode.ledger import Ledger
 
 TINY = (
     "--model",
@@ -104,3 +113,143 @@ def test_a_second_lock_on_a_data_dir_names_the_holder(tmp_path: Path) -> None:
         os.close(held)
     os.close(node.lock_data_dir(tmp_path))  # released with its holder
     assert (tmp_path / node.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+# ----- a closed output pipe -----
+
+
+class NoSnapshots:
+    def list_snapshots(self) -> list:
+        return []
+
+    def find(self, snapshot_id: str | None) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def status_server() -> Iterator[str]:
+    """A gRPC status server on its own thread and event loop; yields its HOST:PORT."""
+    ports: queue.Queue[int] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        server = await rpc_server.start_server(
+            "127.0.0.1", 0, NoSnapshots(), lambda: rpc.NodeStatus("n1", "run")
+        )
+        ports.put(server.port)
+        await asyncio.to_thread(stop.wait)
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="status-server")
+    thread.start()
+    try:
+        yield f"127.0.0.1:{ports.get(timeout=30)}"
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_status_into_a_closed_pipe_exits_quietly() -> None:
+    """`swarmnode status … | head`: the reader is gone before the command writes."""
+    with status_server() as address:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "swarmnode.cli", "status", address, "--json"],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(write_end)
+    assert (out.returncode, out.stderr) == (1, "")
+
+
+# ----- swarmnode ledger check -----
+
+
+CURSOR = {"shard": 3, "epoch": 0, "position": 0}
+
+
+def at(position: int) -> dict[str, int]:
+    return {**CURSOR, "position": position}
+
+
+def write_ledger(data_dir: Path, node_id: str, second_round_start: int) -> None:
+    ledger = Ledger(data_dir, node_id)
+    ledger.adopt(CURSOR, "fresh", 0)
+    ledger.round(0, at(0), at(40))
+    ledger.settle(0, "applied", 2, "d1")
+    ledger.round(1, at(second_round_start), at(second_round_start + 40))
+    ledger.settle(1, "applied", 2, "d2")
+
+
+def test_ledger_check_prints_one_line_per_node_and_fails_on_a_violation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    write_ledger(good, "aa" * 20, 40)
+    write_ledger(bad, "bb" * 20, 48)  # its second round skips 8 windows
+    code, out, err = run_cli(capsys, "ledger", "check", str(good))
+    assert (code, err) == (0, []) and out.splitlines() == [
+        f"{good}: node {'aa' * 6}: ok (2 rounds in the chain, 0 trained again)"
+    ]
+    code, out, err = run_cli(capsys, "ledger", "check", str(good), str(bad))
+    lines = out.splitlines()
+    assert code == 1 and err == [] and len(lines) == 2, out
+    assert lines[0].endswith("ok (2 rounds in the chain, 0 trained again)")
+    assert (
+        lines[1].startswith(f"{bad}: node {'bb' * 6}: 1 violation(s): round 1: starts at")
+        and "skipped" in lines[1]
+    )
+    code, out, _ = run_cli(capsys, "ledger", "check", str(good), str(bad), "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    assert [(n["node_id"], len(n["violations"])) for n in report["nodes"]] == [("aa" * 20, 0), ("bb" * 20, 1)]
+
+
+def test_ledger_check_holds_the_nodes_against_each_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The survivor's average of round 1 left the victim out, yet the victim's chain keeps round 1:
+    each chain replays alone, the cross-check sees it."""
+    survivor, victim = "aa" * 20, "bb" * 20
+    for node_id, ledger in (
+        (survivor, Ledger(tmp_path / "s", survivor)),
+        (victim, Ledger(tmp_path / "v", victim)),
+    ):
+        ledger.adopt(CURSOR, "fresh", 0)
+        ledger.round(0, at(0), at(40))
+        ledger.settle(0, "applied", 2, "d1", group=(survivor, victim), included=(survivor, victim))
+        ledger.round(1, at(40), at(80))
+        if node_id == survivor:
+            ledger.settle(1, "applied", 2, "d2", group=(survivor, victim), included=(survivor,))
+        else:
+            ledger.adopt(at(80), "peer", 2)  # it came back past round 1, as if its batches were in
+    code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path / "s"), str(tmp_path / "v"))
+    lines = out.splitlines()
+    assert code == 1 and len(lines) == 3 and all(" ok (" in line for line in lines[:2]), out
+    assert lines[2].startswith("across nodes: ") and "round 1" in lines[2] and victim[:12] in lines[2]
+    code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path / "s"), str(tmp_path / "v"), "--json")
+    assert code == 1 and len(json.loads(out)["across_nodes"]) == 1
+
+
+def test_ledger_check_refuses_a_directory_without_a_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_ledger(tmp_path / "good", "aa" * 20, 40)
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_cli(capsys, "ledger", "check", str(tmp_path / "good"), str(tmp_path / "empty"))
+    assert (code, out) == (2, "") and len(err) == 1 and str(tmp_path / "empty") in err[0], err
+
+
+def test_ledger_check_reports_a_line_that_is_no_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_ledger(tmp_path, "aa" * 20, 40)
+    with (tmp_path / "ledger.jsonl").open("a") as f:
+        f.write('{"node_id": "' + "aa" * 20 + '", "event": "rou')  # a write cut short
+    code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path))
+    assert code == 1 and "line 6 is not a ledger entry" in out, out

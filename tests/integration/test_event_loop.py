@@ -1,0 +1,174 @@
+"""The event loop of a node stays quiet under routine trouble, over real gRPC on loopback: a call its
+client cancels mid-stream ends without an error log on the server (snapshot streams and averaging
+exchanges alike)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from swarmnode import averaging, rpc, rpc_server, wire
+from swarmnode.proto.v1 import averaging_pb2 as pb_avg
+from swarmnode.proto.v1 import snapshot_pb2 as pb
+from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
+from swarmnode.reducer import AveragingServicer, average
+from swarmnode.snapshot import SnapshotInfo
+from swarmnode.wire import GroupSpec, Member
+
+pytestmark = pytest.mark.timeout(90)
+LOCALHOST = "127.0.0.1"
+MiB = 1 << 20
+
+
+class NoSnapshots:
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return []
+
+    def find(self, snapshot_id: str | None) -> None:
+        return None
+
+
+class OneSnapshot:
+    def __init__(self, info: SnapshotInfo) -> None:
+        self.info = info
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return [self.info]
+
+    def find(self, snapshot_id: str | None) -> SnapshotInfo | None:
+        return self.info if snapshot_id in (None, self.info.snapshot_id) else None
+
+
+def snapshot_file(path: Path, size: int) -> SnapshotInfo:
+    path.write_bytes(hashlib.shake_256(b"cancel").digest(size))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return SnapshotInfo(digest, path, size, 1, 10, "hot", 1_700_000_000.0, "planes", "run", "n1")
+
+
+def status() -> rpc.NodeStatus:
+    return rpc.NodeStatus("n1", "run")
+
+
+async def until_stalled(progress: Callable[[], int], least: int, timeout_s: float = 20.0) -> None:
+    """Polls `progress()` until it reached `least` and stopped moving (five polls alike): the server
+    is blocked writing to a client that does not read (HTTP/2 flow control)."""
+    deadline = time.monotonic() + timeout_s
+    seen, same = -1, 0
+    while same < 5:
+        assert time.monotonic() < deadline, f"the server never stalled (at {progress()})"
+        await asyncio.sleep(0.02)
+        now = progress()
+        same = same + 1 if now == seen and now >= least else 0
+        seen = now
+
+
+def loud_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    gc.collect()  # an async generator or task left behind reports its failure when it is collected
+    return [
+        f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info
+    ]
+
+
+def run(scenario: Callable[[], Awaitable[None]], timeout_s: float = 60.0) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await scenario()
+
+    asyncio.run(bounded())
+
+
+def test_a_fetch_cancelled_mid_stream_ends_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The client stops reading, the server blocks in a write, the client cancels: routine."""
+    caplog.set_level(logging.INFO)
+    info = snapshot_file(tmp_path / "s.snap.zst", 32 * MiB)
+    chunks_read: list[int] = []
+
+    def count(offset: int, data: bytes) -> bytes:
+        chunks_read.append(offset)
+        return data
+
+    async def scenario() -> None:
+        server = await rpc_server.start_server(
+            LOCALHOST, 0, OneSnapshot(info), status, max_serving=1, faults=rpc.ServeFaults(chunk_filter=count)
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"{LOCALHOST}:{server.port}") as channel:
+                stub = pb_grpc.SnapshotServiceStub(channel)
+                call = stub.FetchSnapshot(pb.FetchSnapshotRequest())
+                assert (await call.read()).HasField("meta")
+                await until_stalled(lambda: len(chunks_read), least=rpc_server.READ_AHEAD_CHUNKS + 2)
+                call.cancel()
+                await admitted_again(stub)  # the server ended the cancelled stream: its slot is free
+        finally:
+            await server.stop(1.0)
+
+    run(scenario)
+    assert len(chunks_read) < info.size_bytes // rpc.CHUNK_BYTES  # it was cancelled mid-stream
+    assert loud_records(caplog) == []
+
+
+async def admitted_again(stub: pb_grpc.SnapshotServiceStub, timeout_s: float = 20.0) -> None:
+    """Polls until a new stream is admitted (the only serving slot is free again)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        call = stub.FetchSnapshot(pb.FetchSnapshotRequest())
+        try:
+            await call.read()
+            return
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+        finally:
+            call.cancel()
+        await asyncio.sleep(0.05)
+
+
+def test_an_exchange_cancelled_while_its_result_streams_ends_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Member 1 (driven by hand) sends its part to reducer 0, reads the result's header, stops reading
+    and cancels while the reducer is blocked writing the result."""
+    caplog.set_level(logging.INFO)
+    n = 8 * MiB  # part 0: 16 MiB of fp32, far more than the flow-control windows hold
+
+    async def scenario() -> None:
+        servicer = AveragingServicer("01")
+        server = await rpc_server.start_server(
+            LOCALHOST, 0, NoSnapshots(), status, extra_servicers=[servicer.register]
+        )
+        try:
+            members = (Member("01", f"{LOCALHOST}:{server.port}"), Member("02", f"{LOCALHOST}:1"))
+            spec = GroupSpec("run", 7, "g1", members, "fp32", 30.0)
+            rnd = servicer.begin(spec, 0, torch.zeros(n), 1.0)
+            async with rpc.open_channel(members[0].address) as channel:
+                call = channel.stream_stream(
+                    averaging.EXCHANGE_METHOD,
+                    request_serializer=rpc.serialize,
+                    response_deserializer=pb_avg.AveragedPart.FromString,
+                )()
+                await call.write(pb_avg.Contribution(header=wire.contribution_header(spec, 1, 0, 1.0, n)))
+                assert tuple(await call.initial_metadata()) == wire.ADMITTED
+                for message, _ in wire.chunk_messages(wire.encode(torch.ones(n // 2), "fp32")):
+                    await call.write(message)
+                await call.done_writing()
+                await rnd.all_in.wait()
+                rnd.publish(await asyncio.to_thread(average, rnd.close(), "fp32", n // 2))
+                assert (await call.read()).HasField("header")
+                await until_stalled(lambda: rnd.result_bytes, least=2 * rpc.CHUNK_BYTES)
+                call.cancel()
+                await asyncio.wait_for(rnd.idle.wait(), 20)  # the reducer's call ended
+            assert rnd.result_bytes < 4 * (n // 2)  # it was cancelled mid-stream
+            servicer.end(rnd)
+        finally:
+            await server.stop(1.0)
+
+    run(scenario)
+    assert loud_records(caplog) == []
