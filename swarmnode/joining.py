@@ -40,6 +40,7 @@ async def restore_at_start(
     started = time.perf_counter()
     if has_peers and not await dht.wait_for_peers(JOIN_WAIT_S):
         logger.warning("no peer reachable after %.0f s: recovering from local snapshots only", JOIN_WAIT_S)
+    await membership.refuse_if_duplicate()  # before anything of this node's is announced or fetched
     local = await asyncio.to_thread(checkpointer.scan)
     peers, own = await membership.announcements()
     lookup_s = time.perf_counter() - started

@@ -5,6 +5,11 @@ reads its peers' announcements of the same run; a malformed one, or one of anoth
 digest), is ignored with one warning per peer. From them it learns which peers a round should expect and
 whether it must catch up: when its global params went astray (its digest was in a round's minority) or
 its outer step is behind, the up-to-date members to repair from, freshest first.
+
+One identity, one process: DHT entries under this node's own id that name another address (a copied
+data dir, or one `--identity` file given to two nodes) are probed over gRPC; if a live node there
+answers with this node id, the younger of the two is the duplicate. At start that is this node
+(`DuplicateIdentity`, exit 2); later, each reads the other's uptime and only the younger one stops.
 """
 
 from __future__ import annotations
@@ -14,14 +19,26 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from swarmnode import rpc, rpc_client
 from swarmnode.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
+from swarmnode.config import ConfigError
 from swarmnode.dht import SwarmDHT
+from swarmnode.matchmaking import round_key
 from swarmnode.snapshot import SnapshotInfo
 from swarmnode.training import RunIdentity
 
 logger = logging.getLogger(__name__)
+
+IDENTITY_PROBE_TIMEOUT_S = 3.0
+IDENTITY_PROBE_INTERVAL_S = 30.0
+"""A running node probes an address that claims its identity at most this often."""
+
+
+class DuplicateIdentity(ConfigError):
+    """Another live process runs with this node's identity (one line naming --identity: exit 2)."""
 
 
 class Membership:
@@ -35,16 +52,28 @@ class Membership:
         address: str,
         stop: threading.Event,
         ahead_wait_s: float,
+        uptime_s: Callable[[], float] = lambda: 0.0,
+        on_duplicate: Callable[[DuplicateIdentity], None] | None = None,
     ) -> None:
+        """`uptime_s()`: how long this node has run; `on_duplicate` is told, once, when this running
+        node turns out to be the younger of two with one identity."""
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
+        self.round_key = round_key(dht_run)
         self.stop, self.ahead_wait_s = stop, ahead_wait_s
+        self.uptime_s, self.on_duplicate = uptime_s, on_duplicate
         self._warned: set[str] = set()
         self._announce_task: asyncio.Task[None] | None = None
+        self._probed: dict[str, float] = {}  # address -> when it was last probed (monotonic)
+        self._probe_task: asyncio.Task[None] | None = None
+        self._duplicate_found = False
 
     # ----- announcing -----
 
     def announce(self, info: SnapshotInfo) -> None:
-        """Publish `info` in the background (call on the event loop); it supersedes one in flight."""
+        """Publish `info` in the background (call on the event loop); it supersedes one in flight.
+        Nothing is published once this node is known to be a duplicate (the entry is the other's)."""
+        if self.on_duplicate is None and self._duplicate_found:
+            return
         previous = self._announce_task
         self._announce_task = asyncio.create_task(self._announce(info, previous))
 
@@ -92,12 +121,82 @@ class Membership:
                 self._warn_once(node_id, "ignoring a malformed announcement from %s", node_id[:12])
             elif node_id == self.run.node_id:
                 own = announcement
+                self._watch_own_address(announcement.address)
             elif self._same_run(announcement):
                 peers.append(announcement)
         return peers, own
 
     async def peers(self) -> list[Announcement]:
         return (await self.announcements())[0]
+
+    # ----- one identity, one process -----
+
+    async def refuse_if_duplicate(self) -> None:
+        """At start: DuplicateIdentity if a live node at another address answers with this node's id
+        (its announcement or its round offer names that address)."""
+        for address in await self._own_addresses():
+            status = await self._probe(address)
+            if status is not None:
+                raise DuplicateIdentity(
+                    f"--identity: node id {self.run.node_id} is already running at {address} (up "
+                    f"{status.uptime_s:.0f} s); every node needs its own identity key (its own --data-dir "
+                    "or --identity)"
+                )
+
+    async def _own_addresses(self) -> set[str]:
+        """Addresses other than this node's that DHT entries under its own id name."""
+        found = set()
+        for key in (self.key, self.round_key):
+            entry = (await self.dht.get(key)).get(self.run.node_id)
+            address = entry.value.get("addr") if entry is not None else None
+            if isinstance(address, str) and address != self.address:
+                found.add(address)
+        return found
+
+    async def _probe(self, address: str) -> rpc.NodeStatus | None:
+        """The status of a live node at `address` that has this node's id, else None."""
+        self._probed[address] = time.monotonic()
+        try:
+            status = await rpc_client.get_status(address, timeout_s=IDENTITY_PROBE_TIMEOUT_S)
+        except (rpc.PeerUnavailable, ValueError):
+            return None
+        return status if status.node_id == self.run.node_id else None
+
+    def _watch_own_address(self, address: str) -> None:
+        """While running: an own-id entry at another address is probed (at most every
+        IDENTITY_PROBE_INTERVAL_S); of two live nodes with one identity, the younger is told to go."""
+        last = self._probed.get(address)
+        busy = self._probe_task is not None and not self._probe_task.done()
+        if address == self.address or busy or (last and time.monotonic() - last < IDENTITY_PROBE_INTERVAL_S):
+            return
+        self._probe_task = asyncio.create_task(self._settle_duplicate(address))
+
+    async def _settle_duplicate(self, address: str) -> None:
+        status = await self._probe(address)
+        if status is None:
+            return
+        mine = self.uptime_s()
+        if status.uptime_s <= mine:
+            self._warn_once(
+                f"duplicate {address}",
+                "node id %s also runs at %s (up %.0f s, this node %.0f s): that younger process is the "
+                "duplicate and stops",
+                self.run.node_id[:12],
+                address,
+                status.uptime_s,
+                mine,
+            )
+            return
+        self._duplicate_found = True
+        if self.on_duplicate is not None:
+            self.on_duplicate(
+                DuplicateIdentity(
+                    f"--identity: node id {self.run.node_id} already runs at {address} (up "
+                    f"{status.uptime_s:.0f} s, this process {mine:.0f} s); every node needs its own "
+                    "identity key (its own --data-dir or --identity)"
+                )
+            )
+            self.on_duplicate = None
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:

@@ -34,7 +34,7 @@ from swarmnode.identity import Identity
 from swarmnode.joining import peer_fetcher, restore_at_start
 from swarmnode.ledger import Ledger
 from swarmnode.matchmaking import Offer
-from swarmnode.membership import Membership
+from swarmnode.membership import DuplicateIdentity, Membership
 from swarmnode.metrics import Metrics
 from swarmnode.model import ModelConfig, configure_determinism, count_parameters, preset, select_device
 from swarmnode.progress import ProgressReporter, ProgressSample
@@ -183,6 +183,7 @@ class Node:
         self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self.last_round: RoundResult | None = None
         self.repairs = 0
+        self._duplicate: DuplicateIdentity | None = None
 
     # ----- building -----
 
@@ -267,6 +268,8 @@ class Node:
             self.run_state.progress.outer_step,
             self.run_state.progress.inner_step,
         )
+        if self._duplicate is not None:
+            raise self._duplicate
         return 0
 
     async def _start_services(self, stack: contextlib.AsyncExitStack) -> None:
@@ -285,9 +288,22 @@ class Node:
         self.ports, self.dht, self.rounds = services.ports, services.dht, services.rounds
         ahead_wait_s = cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s
         self.membership = Membership(
-            self.dht, self.dht_run, self.run_state.identity, services.address, self._stop, ahead_wait_s
+            self.dht,
+            self.dht_run,
+            self.run_state.identity,
+            services.address,
+            self._stop,
+            ahead_wait_s,
+            uptime_s=lambda: time.time() - self.started_at,
+            on_duplicate=self._on_duplicate,
         )
         write_node_file(cfg, self.ports, self.run_state)
+
+    def _on_duplicate(self, duplicate: DuplicateIdentity) -> None:
+        """This running node is the younger of two with one identity: it stops, and exits 2 (the CLI
+        prints the reason)."""
+        self._duplicate = duplicate
+        self.request_stop()
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
