@@ -354,6 +354,9 @@ class SwarmProtocol(KademliaProtocol):
         self._slots = _VerificationSlots(
             MAX_VERIFYING_PER_SOURCE, MAX_VERIFYING, VERIFY_RETRY_S, MAX_TRACKED_SOURCES
         )
+        self.twins: set[tuple[str, int]] = set()
+        """Addresses of other processes that answered our ping with our own node id (one identity key
+        in two processes: the node refuses to go on, see `SwarmDHT.twin_addresses`)."""
 
     def report_rejection(self, reason: RejectReason, sender: object = None, what: str = "an entry") -> None:
         """Count a refused entry (or ``what`` else); log the first of each reason at warning, the rest at
@@ -481,9 +484,19 @@ class SwarmProtocol(KademliaProtocol):
         ok, node_id = await self._request(address, self._wait_timeout, "ping", self.source_node.id)
         if not ok or not _is_node_id(node_id):
             return None
+        if node_id == self.source_node.id:
+            if not self._is_own_socket(address):
+                self.twins.add(address)
+            return None
         node = Node(node_id, address[0], address[1])
         self._admit(node)
         return node
+
+    def _is_own_socket(self, address: tuple[str, int]) -> bool:
+        """Whether `address` is this very socket (a --peers entry naming the node itself)."""
+        host, port = self.transport.get_extra_info("sockname")[:2]
+        local = {host, "127.0.0.1", "::1", "localhost"} if host in ("0.0.0.0", "::") else {host}
+        return port == address[1] and address[0] in local
 
     def handle_call_response(self, result: tuple[bool, Any], node: Node) -> tuple[bool, Any]:
         """Routing bookkeeping after our request to ``node``: an answer refreshes a verified contact and
@@ -998,6 +1011,12 @@ class SwarmDHT:
     def peer_count(self) -> int:
         """Nodes in the routing table."""
         return 0 if self._server is None else self._server.peer_count()
+
+    def twin_addresses(self) -> list[str]:
+        """HOST:PORT of bootstrap peers that answered with this node's own id: another live process
+        holds this identity key."""
+        twins = set() if self._server is None else self._server.protocol.twins
+        return sorted(f"{host}:{port}" for host, port in twins)
 
     async def publish(self, key: str, value: dict[str, Any], ttl_s: float) -> bool:
         """Sign ``value`` under ``key`` for ``ttl_s`` seconds, store it here and on the k closest nodes.

@@ -133,7 +133,12 @@ class Membership:
 
     async def refuse_if_duplicate(self) -> None:
         """At start: DuplicateIdentity if a live node at another address answers with this node's id
-        (its announcement or its round offer names that address)."""
+        (a bootstrap peer's DHT answer, or the address its announcement or round offer names)."""
+        for address in self.dht.twin_addresses():
+            raise DuplicateIdentity(
+                f"--identity: node id {self.run.node_id} is already running (its DHT answers at {address}); "
+                "every node needs its own identity key (its own --data-dir or --identity)"
+            )
         for address in await self._own_addresses():
             status = await self._probe(address)
             if status is not None:

@@ -41,6 +41,18 @@ def assert_refused(twin: NodeProcess, original: NodeProcess) -> None:
     assert original.info["node_id"] in lines[0] and "already run" in lines[0], lines[0]
 
 
+def test_a_twin_bootstrapping_from_the_node_it_copied_is_refused(tmp_path: Path, reaper) -> None:
+    """Two nodes, the second with the first's key and the first as its only DHT peer: the first's
+    answer to the bootstrap ping carries the twin's own id."""
+    original, other = start_swarm(reaper, tmp_path, 2, [*ARGS, "--wait-peers", "1"])
+    wait_for(lambda: settled(original) >= 1, 90, "a round")
+    peers = ["--peers", f"127.0.0.1:{original.info['dht_port']}"]
+    key = ["--identity", str(original.data_dir / "identity.key")]
+    twin = reaper.node(tmp_path / "twin", [*ARGS, *key, *peers]).start()
+    assert_refused(twin, original)
+    stop_all([original, other])
+
+
 def test_a_node_started_with_a_running_nodes_identity_is_refused(tmp_path: Path, reaper) -> None:
     original, other = start_swarm(reaper, tmp_path, 2, [*ARGS, "--wait-peers", "1"])
     wait_for(lambda: settled(original) >= 2, 90, "two rounds")
@@ -81,6 +93,9 @@ class OneKeyDHT:
 
     def peer_count(self) -> int:
         return 1
+
+    def twin_addresses(self) -> list[str]:
+        return []
 
 
 def running_twin(node_id: str, uptime_s: float, mine_s: float) -> tuple[list[DuplicateIdentity], OneKeyDHT]:
