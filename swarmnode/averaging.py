@@ -128,7 +128,7 @@ class _Butterfly:
         tasks: list[asyncio.Task[None]] = []
         try:
             self.images = await asyncio.to_thread(self._encode_parts)
-            faults.hit("allreduce_send")  # before the first part
+            await faults.ahit("allreduce_send")  # before the first part
             tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
             tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
             await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
@@ -176,7 +176,7 @@ class _Butterfly:
         await _wait_until(self.sends_done, self.collect_deadline)
         contributions = rnd.close()
         averaged = await asyncio.to_thread(average, contributions, self.spec.wire_dtype, rnd.own.numel())
-        faults.hit("allreduce_reduce")
+        await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:
             self.parts[self.me] = (averaged.values, frozenset(averaged.included))
@@ -245,7 +245,7 @@ class _Butterfly:
         self._send_over(k)
         self.parts_out += 1
         if self.parts_out < len(self.peers):
-            faults.hit("allreduce_send")  # before the next part, as if they went one at a time
+            await faults.ahit("allreduce_send")  # before the next part, as if they went one at a time
 
     def _send_over(self, k: int) -> None:
         self.sends_over.add(k)

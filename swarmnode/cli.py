@@ -186,13 +186,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(vars(args), os.environ, args.config)
+    fault_spec = os.environ.get("SWARMNODE_FAULTS")
+    _checked(faults.parse, fault_spec or "")
     from swarmnode.node import Node, preflight
 
     if args.dry_run:  # every start-up check a real start makes, and nothing created
         _checked(preflight, cfg)
         print(json.dumps(cfg.redacted(), indent=2, sort_keys=True))
         return 0
-    _checked(faults.configure, os.environ.get("SWARMNODE_FAULTS"))
+    faults.configure(fault_spec)
     setup_logging(cfg.log_format)
     from swarmnode.progress import ProgressReporter
 

@@ -380,19 +380,21 @@ def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="run every start-up check (creating nothing), print the configuration as JSON and exit",
     )
-    defaults = NodeConfig.__dataclass_fields__
     for flag in FLAGS:
-        default = defaults[flag.field].default
-        shown = "" if flag.field == "swarm_token" else f" (default: {_show(default)})"
+        # The values are checked by `parse_flag` (so that a flag, its variable and its TOML key fail
+        # alike), not by argparse: the metavar shows the choices.
+        metavar = "{" + ",".join(flag.choices) + "}" if flag.choices else flag.metavar
         parser.add_argument(
-            flag.option,
-            dest=flag.field,
-            default=None,
-            metavar=flag.metavar,
-            choices=None,
-            help=f"{flag.help}{shown}; env {flag.env}",
+            flag.option, dest=flag.field, default=None, metavar=metavar, help=_help_text(flag)
         )
     return parser
+
+
+def _help_text(flag: Flag) -> str:
+    """The flag's help, its default (unless the help says it, or it is a secret) and its variable."""
+    default = NodeConfig.__dataclass_fields__[flag.field].default
+    shown = "" if "default:" in flag.help or flag.field == "swarm_token" else f" (default: {_show(default)})"
+    return f"{flag.help}{shown}; env {flag.env}"
 
 
 def _show(value: Any) -> str:

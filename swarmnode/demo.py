@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from swarmnode import rpc, rpc_client
+from swarmnode.bench_procs import child_env
 from swarmnode.config import LOOPBACK_ARGS
 from swarmnode.recovery import read_receipts
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
@@ -71,8 +72,9 @@ class DemoNode:
 
     def start(self) -> None:
         (self.data_dir / "node.json").unlink(missing_ok=True)
-        # torch keeps a compiler cache under $TMPDIR; the demo's own temporary directory holds it instead.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.data_dir.parent / "torch-cache")}
+        # No SWARMNODE_* setting of the user's reaches a demo node (with SWARMNODE_PEERS it would join
+        # their real swarm). torch keeps a compiler cache under $TMPDIR; the demo's directory holds it.
+        env = {**child_env(), "TORCHINDUCTOR_CACHE_DIR": str(self.data_dir.parent / "torch-cache")}
         with (self.data_dir / "node.log").open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "swarmnode.cli", "run", *self.args],

@@ -75,9 +75,9 @@ def log_receipt(receipt: Receipt) -> None:
 def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
     """Fetches a peer's snapshot of at most a little more than this run's state, counting the bytes."""
 
-    def count_fetched(size: int) -> None:
+    async def count_fetched(size: int) -> None:
         metrics.fetch_bytes.inc(size)
-        faults.hit("fetch_chunk")
+        await faults.ahit("fetch_chunk")  # on the event loop: a sleep fault must not stall it
 
     async def fetch(peer: Announcement, on_data: Callable[[bytes], Awaitable[None]]) -> str:
         """Fetch the announced snapshot, or the peer's newest if it has rotated the announced one out
@@ -89,15 +89,11 @@ def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
         async def forward(data: bytes) -> None:
             nonlocal received
             received += len(data)
+            await count_fetched(len(data))
             await on_data(data)
 
         get = functools.partial(
-            rpc_client.fetch_snapshot,
-            peer.address,
-            None,
-            max_bytes=limit,
-            on_bytes=count_fetched,
-            on_data=forward,
+            rpc_client.fetch_snapshot, peer.address, None, max_bytes=limit, on_data=forward
         )
         try:
             result = await get(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)

@@ -37,7 +37,7 @@ from swarmnode.matchmaking import Offer
 from swarmnode.membership import DuplicateIdentity, Membership
 from swarmnode.metrics import Metrics
 from swarmnode.model import ModelConfig, configure_determinism, count_parameters, preset, select_device
-from swarmnode.progress import ProgressReporter, ProgressSample
+from swarmnode.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.recovery import Receipt, Recovery, append_receipt
 from swarmnode.rounds import RoundResult
 from swarmnode.security import Security
@@ -51,6 +51,18 @@ REJOIN_POLL_S = 0.25
 """How often a repaired node checks whether the swarm closed the round it rejoined."""
 LOCK_FILE = "node.lock"
 """DATA_DIR/node.lock: the running node's pid, under an exclusive flock while it runs."""
+
+
+def phase_before_round(last_round: RoundResult | None, missed: bool, repair_pending: bool) -> Phase:
+    """What a node does from the end of one round to its next inner phase: after a missed round (or a
+    lost digest vote) the catch-up waits for the swarm's next step; after a round without a group it
+    holds its outer step until the next try; otherwise it trains."""
+    if missed or repair_pending:
+        return Phase.WAITING_FOR_SWARM
+    if last_round is not None and last_round.held:
+        return Phase.HOLDING
+    return Phase.INNER
+
 
 # ----- start-up checks -----
 
@@ -175,7 +187,7 @@ class Node:
         self.metrics = metrics or Metrics()
         self.progress = progress
         self.started_at = time.time()
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self._stop = threading.Event()
         self._pending_receipt: Receipt | None = None
         self._repair_from: tuple[Offer, ...] = ()
@@ -261,7 +273,7 @@ class Node:
             if self._pending_receipt is not None:  # stopped before a single inner step
                 self._write_receipt(self._pending_receipt)
             await self.membership.flush()
-            self.phase = "stopping"
+            self.phase = Phase.STOPPING
         logger.info(
             "node %s stopped at outer step %d, inner step %d",
             self.node_id[:12],
@@ -321,14 +333,16 @@ class Node:
 
     async def _round_loop(self) -> None:
         while not self._finished():
-            self.phase = "inner"
+            self.phase = phase_before_round(self.last_round, self._missed_round, bool(self._repair_from))
             if await self._catch_up():
                 await self._rejoin_phase()
             else:
+                if self.run_state.progress.round_step < self.cfg.inner_steps:
+                    self.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                 await asyncio.to_thread(self._inner_phase)
             if self._stop.is_set():
                 break
-            self.phase = "outer"
+            self.phase = Phase.OUTER
             try:
                 await self._outer_step()
             except Exception:  # a round must never take the daemon down: count it, go on
@@ -400,7 +414,7 @@ class Node:
             self._repair_from, self._missed_round = result.repair_from, result.missed
             return
         digest = await asyncio.to_thread(run.apply_outer, result.averaged, result.cursors, result.info())
-        if faults.hit("global_params", p.outer_step) is not None:  # test-only: make this node go astray
+        if await faults.ahit("global_params", p.outer_step) is not None:  # test-only: make it go astray
             run.trainer.global_flat[:16] += 1e-3
             run.trainer.global_changed()
             digest = await asyncio.to_thread(run.trainer.global_digest)
@@ -429,7 +443,7 @@ class Node:
         ahead, why = await self.membership.repair_sources(p.outer_step, agreeing, missed)
         if not ahead:
             return False
-        self.phase = "repairing"
+        self.phase = Phase.REPAIRING
         behind = not agreeing  # a straggler must move ahead; a node astray may stay at its step
         if await self.recovery.repair(ahead, p.outer_step + 1 if behind else p.outer_step) is None:
             return False
@@ -463,13 +477,13 @@ class Node:
     async def _wait_for_peers(self) -> None:
         wanted = self.cfg.wait_peers
         if wanted and self.dht.peer_count() < wanted:
-            self.phase = "waiting for peers"
+            self.phase = Phase.WAITING_FOR_PEERS
             logger.info("waiting for %d peers (--wait-peers) before training", wanted)
         while self.dht.peer_count() < wanted and not self._stop.is_set():
             await asyncio.sleep(0.2)
 
     async def _recover(self) -> None:
-        self.phase = "recovering"
+        self.phase = Phase.RECOVERING
         self.recovery = Recovery(
             self.run_state,
             peer_fetcher(self.run_state, self.metrics),

@@ -5,9 +5,25 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import TextIO
 
 BAR_WIDTH = 20
+
+
+class Phase(StrEnum):
+    """What a node is doing, as its progress line and its status say."""
+
+    STARTING = "starting"
+    WAITING_FOR_PEERS = "waiting for peers"  # --wait-peers
+    RECOVERING = "recovering"  # the restore at start
+    INNER = "inner"  # training the round's inner steps
+    OUTER = "outer"  # matchmaking, the all-reduce and the outer step
+    HOLDING = "holding"  # the last round found no group: its outer step is held until the next try
+    WAITING_FOR_SWARM = "waiting for the swarm"  # it missed a round (or lost the digest vote): waits
+    # for a member to announce the step the swarm took, to repair from it
+    REPAIRING = "repairing"  # adopting an up-to-date member's snapshot, then training its round
+    STOPPING = "stopping"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The event loop of a node stays quiet under routine trouble, over real gRPC on loopback: a call its
-client cancels mid-stream ends without an error log on the server (snapshot streams and averaging
-exchanges alike)."""
+"""The event loop of a node stays quiet and responsive under routine trouble, over real gRPC on loopback:
+a call its client cancels mid-stream ends without an error log on the server (snapshot streams and
+averaging exchanges alike), and a sleep fault at a point on the loop pauses only its own task."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from swarmnode import averaging, rpc, rpc_server, wire
+from swarmnode import averaging, faults, rpc, rpc_server, wire
 from swarmnode.proto.v1 import averaging_pb2 as pb_avg
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
@@ -172,3 +172,54 @@ def test_an_exchange_cancelled_while_its_result_streams_ends_quietly(
 
     run(scenario)
     assert loud_records(caplog) == []
+
+
+def test_a_sleep_fault_in_an_allreduce_leaves_the_loop_serving() -> None:
+    """`sleep@allreduce_send` pauses each member's all-reduce for 1 s while the loop goes on: a task
+    ticking every 10 ms never waits long (a blocking sleep would stall it for a second per member)."""
+    n = 10_000
+    faults.configure("sleep@allreduce_send=1.0")
+
+    async def scenario() -> tuple[float, float, list[averaging.AllReduceResult]]:
+        servicers = [AveragingServicer(f"0{i + 1}") for i in range(2)]
+        servers = [
+            await rpc_server.start_server(LOCALHOST, 0, NoSnapshots(), status, extra_servicers=[s.register])
+            for s in servicers
+        ]
+        gaps = [0.0]
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            members = tuple(
+                Member(s.node_id, f"{LOCALHOST}:{srv.port}")
+                for s, srv in zip(servicers, servers, strict=True)
+            )
+            spec = GroupSpec("run", 7, "g1", members, "fp32", 10.0)
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(
+                    averaging.butterfly_allreduce(s, spec, i, torch.full((n,), float(i)), 1.0)
+                    for i, s in enumerate(servicers)
+                )
+            )
+            return time.monotonic() - started, max(gaps), list(results)
+        finally:
+            ticking.cancel()
+            for srv in servers:
+                await srv.stop(0)
+
+    try:
+        took, longest_gap, results = asyncio.run(scenario())
+    finally:
+        faults.configure(None)
+    assert took >= 1.0  # the fault did fire
+    assert longest_gap < 0.5, longest_gap
+    assert all(r.averaged.coverage == 1.0 for r in results)
+    assert torch.equal(results[0].averaged.delta, torch.full((n,), 0.5))

@@ -1,5 +1,5 @@
 """The `swarmnode` command: start-up checks before anything listens, the data-dir lock, a closed output
-pipe and `swarmnode ledger check`."""
+pipe, `swarmnode ledger check`, and what the demo hands its nodes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode import cli, node, rpc, rpc_server
+from swarmnode import cli, demo, node, rpc, rpc_server
 from swarmnode.config import ConfigError
 from swarmnode.ledger import Ledger
 
@@ -253,3 +253,24 @@ def test_ledger_check_reports_a_line_that_is_no_entry(
         f.write('{"node_id": "' + "aa" * 20 + '", "event": "rou')  # a write cut short
     code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path))
     assert code == 1 and "line 6 is not a ledger entry" in out, out
+
+
+# ----- swarmnode demo -----
+
+
+def test_demo_nodes_get_no_swarmnode_setting_of_the_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWARMNODE_PEERS", "swarm.example.org:8468")
+    monkeypatch.setenv("SWARMNODE_SWARM_TOKEN", "theirs")
+    started: list[dict[str, str]] = []
+
+    class Recorder:
+        def __init__(self, argv: list[str], **kwargs: object) -> None:
+            started.append(kwargs["env"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(demo.subprocess, "Popen", Recorder)
+    demo.DemoNode("node1", tmp_path, ["--data-dir", str(tmp_path)]).start()
+    (env,) = started
+    assert not [name for name in env if name.startswith("SWARMNODE_")]
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path.parent / "torch-cache") and "PATH" in env

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from swarmnode.cli import build_parser
-from swarmnode.config import FLAGS, ConfigError, NodeConfig, load_config
+from swarmnode.config import FLAGS, ConfigError, NodeConfig, build_run_parser, load_config
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None, toml: Path | None = None) -> NodeConfig:
@@ -175,3 +176,18 @@ def test_client_commands_check_their_security_flags_as_run_does(tmp_path: Path) 
     )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().count("\n") == 0 and "SWARMNODE_SWARM_TOKEN: must not be empty" in out.stderr
+
+
+def test_help_shows_one_default_and_the_choices_of_each_flag() -> None:
+    parser = build_run_parser(argparse.ArgumentParser(prog="swarmnode run"))
+    actions = {action.dest: action for action in parser._actions}
+    for flag in FLAGS:
+        action = actions[flag.field]
+        assert action.help is not None and action.help.count("default:") <= 1, action.help
+        if flag.choices:
+            assert action.metavar == "{" + ",".join(flag.choices) + "}"
+    text = parser.format_help()
+    for shown in ("--model {tiny,small,base}", "--layout {planes,plain}", "--device {auto,cpu,cuda}"):
+        assert shown in text
+    assert "--wire-dtype {bf16,fp32,int8}" in text
+    assert actions["threads"].help.startswith("CPU threads for torch (default: torch's own choice); env")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -51,3 +52,32 @@ def test_json_lines_for_machines() -> None:
     ProgressReporter.for_stream(stream, "json").report(SAMPLE)
     event = json.loads(stream.getvalue())
     assert event["event"] == "progress" and event["round"] == 3 and event["peers"] == 3
+
+
+def test_holding_and_waiting_for_the_swarm_have_phases_of_their_own() -> None:
+    """Between a round that found no group (or that the swarm closed without this node) and its next
+    inner phase the line says so, instead of repeating the last inner figures as `[inner]`."""
+    from swarmnode.node import phase_before_round
+    from swarmnode.progress import Phase
+    from swarmnode.rounds import RoundResult
+
+    held = RoundResult(None, ("n1",), coverage=0.0, held=True)
+    assert phase_before_round(held, missed=False, repair_pending=False) == Phase.HOLDING
+    assert phase_before_round(held, missed=True, repair_pending=False) == Phase.WAITING_FOR_SWARM
+    assert phase_before_round(RoundResult(None), missed=False, repair_pending=True) == Phase.WAITING_FOR_SWARM
+    assert phase_before_round(RoundResult(None, ("n1", "n2")), False, False) == Phase.INNER
+    assert phase_before_round(None, False, False) == Phase.INNER
+    stream = io.StringIO()
+    ProgressReporter.for_stream(stream, "text").report(
+        dataclasses.replace(SAMPLE, step=500, phase=Phase.HOLDING)
+    )
+    assert (
+        stream.getvalue()
+        .rstrip()
+        .endswith("step 500/500 loss 2.3456 heldout 2.5000 tok/s 5400 peers 3 snapshot 12s ago [holding]")
+    )
+    stream = io.StringIO()
+    ProgressReporter.for_stream(stream, "json").report(
+        dataclasses.replace(SAMPLE, phase=Phase.WAITING_FOR_SWARM)
+    )
+    assert json.loads(stream.getvalue())["phase"] == "waiting for the swarm"
