@@ -2,8 +2,9 @@
 
 Candidates are this node's own snapshot files of this run (the checkpointer's scan: other runs' and
 nodes' files never compete) and the snapshots its peers announced in the DHT (same run digest only),
-tried freshest first (outer step, then inner step; own snapshot on a tie). A candidate that fails
-(unreachable, refused, hash mismatch, truncated, malformed) is counted and the next one is tried.
+tried freshest first (outer step; at the same step its own before a peer's; then inner step). A
+candidate that fails (unreachable, refused, hash mismatch, truncated, malformed) is counted and the
+next one is tried.
 Nothing local changes before a new state has been fully read and verified.
 
 The node's own data cursor comes from its own snapshot when that is what it restored; otherwise from the
@@ -73,8 +74,10 @@ class Candidate:
     announcement: Announcement | None = None  # a peer's
 
     @property
-    def rank(self) -> tuple[int, int, bool]:
-        return self.outer_step, self.inner_step, self.local is not None
+    def rank(self) -> tuple[int, bool, int]:
+        """Freshest first: outer step, then this node's own snapshot before a peer's of the same step
+        (a peer's gives the same θ_g but not this node's progress in its round), then inner step."""
+        return self.outer_step, self.local is not None, self.inner_step
 
     @property
     def path(self) -> Path | None:

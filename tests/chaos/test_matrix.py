@@ -23,11 +23,14 @@ import pytest
 from swarmnode import rpc, rpc_client
 from swarmnode.ledger import digests_by_round, read_ledger
 from swarmnode.recovery import read_receipts
+from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot_read import read_header
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
     first_agreed_round,
     metric_value,
+    newest_snapshot,
     node_status,
     scrape,
     start_swarm,
@@ -101,13 +104,42 @@ def test_sigkill_in_the_inner_phase(tmp_path: Path, reaper) -> None:
     kill_cell(tmp_path, reaper, "kill@inner_step#25")
 
 
+def write_kill_cell(tmp_path: Path, reaper, fault: str) -> tuple[dict, Path]:
+    """Killed half-way through a snapshot write while the others wait for it at matchmaking (their
+    timeout is long here, so the swarm does not move past its step): the half-written temporary file is
+    there (the fault fired mid-write), is never listed as a snapshot and is removed at the restart.
+    Returns the restart's receipt and the newest complete snapshot before it."""
+    patient = ["--matchmaking-timeout", "40"]
+    extra = [[*SHARDS[0], *patient], [*SHARDS[1], *patient], SHARDS[2]]
+    nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, fault], extra=extra)
+    victim = nodes[2]
+    assert victim.wait(180) == -signal.SIGKILL, victim.log()[-2000:]
+    snapshots = victim.data_dir / "snapshots"
+    partial = list(snapshots.glob(".tmp-*.part"))
+    assert partial, "no half-written file: the fault did not fire mid-write"
+    complete = list(iter_snapshot_files(snapshots))
+    assert complete and not any(p.name.startswith(".") for p in complete)
+    victim.restart()
+    receipt = wait_for(lambda: read_receipts(victim.data_dir)[1:], 90, "the victim's restart")[-1]
+    assert not any(p.exists() for p in partial), "the interrupted write's file outlived the restart"
+    finish(nodes, max(receipt["outer_step"], survivors_round(nodes[:2])))
+    return receipt, complete[0]
+
+
 def test_sigkill_during_a_hot_snapshot_write(tmp_path: Path, reaper) -> None:
-    kill_cell(tmp_path, reaper, "kill@hot_snapshot_halfway#7")
+    receipt, previous = write_kill_cell(tmp_path, reaper, "kill@hot_snapshot_halfway#7")
+    assert (receipt["source"], receipt["snapshot_id"]) == ("local", parse_snapshot_name(previous.name)[3])
 
 
 @pytest.mark.slow
 def test_sigkill_during_a_cold_snapshot_write(tmp_path: Path, reaper) -> None:
-    kill_cell(tmp_path, reaper, "kill@cold_snapshot_halfway#2")
+    """The cold snapshot follows an outer step the others took too: their snapshots of it are fresher
+    than the victim's previous one, so it may resume from a peer's instead (never the partial file)."""
+    receipt, previous = write_kill_cell(tmp_path, reaper, "kill@cold_snapshot_halfway#2")
+    if receipt["source"] == "local":
+        assert receipt["snapshot_id"] == parse_snapshot_name(previous.name)[3]
+    else:
+        assert receipt["source"] == "peer" and receipt["outer_step"] > parse_snapshot_name(previous.name)[1]
 
 
 @pytest.mark.slow
@@ -199,6 +231,11 @@ def test_a_full_disk_is_survived(tmp_path: Path, reaper) -> None:
 def test_a_clock_skewed_by_minutes(tmp_path: Path, reaper) -> None:
     nodes = start_swarm(reaper, tmp_path, 3, SWARM, faults=[None, None, "skew@clock=-150"], extra=SHARDS)
     wait_for(lambda: survivors_round(nodes) >= 3, 120, "three rounds with a skewed clock")
+    created = {
+        n.data_dir.name: read_header(newest_snapshot(n.data_dir)).metadata["created_at"] for n in nodes
+    }
+    lag = min(created["n0"], created["n1"]) - created["n2"]  # the skewed node signs by its own clock
+    assert 120 < lag < 180, f"the skew did not apply: created_at {created}"
     groups = [e["group_size"] for e in read_ledger(nodes[2].data_dir) if e["event"] == "settle"]
     assert 3 in groups, f"the skewed node never averaged with the others: {groups}"
     finish(nodes, 1)
