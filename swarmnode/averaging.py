@@ -52,7 +52,9 @@ class AllReduceResult:
     averaged: AveragedDelta
     """The average over `covered` (zeros elsewhere), the same on every member that covers a part."""
     bytes_sent: int
-    """Payload bytes this node sent: its parts and its results."""
+    """Payload bytes this node sent: its parts and its results. A chunk counts once it is handed to
+    gRPC, not once its write returns: a member cancels its call as soon as it holds the whole result,
+    which can cancel a write on either side after its chunk went out."""
     seconds: float
     included: tuple[frozenset[int], ...]
     """Per part: the members whose contributions were averaged into it (none: the part is not covered)."""
@@ -237,8 +239,8 @@ class _Butterfly:
             if tuple(await call.initial_metadata()) != wire.ADMITTED:
                 return
             for message, size in wire.chunk_messages(self.images[k]):
+                self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
                 await call.write(message)
-                self.bytes_sent += size
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return  # the call ended; its reader reports why

@@ -353,5 +353,7 @@ async def _send_result(context: Any, rnd: Round, averaged: Averaged) -> None:
     for message, size in wire.chunk_messages(
         averaged.image if averaged.image is not None else memoryview(b"")
     ):
-        await context.write(message)
+        # Counted before the await: the member cancels the call once it holds the whole result, and
+        # grpc.aio then cancels this handler, possibly before the delivered last chunk's write returns.
         rnd.result_bytes += size
+        await context.write(message)

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from swarmnode import rpc, rpc_server, wire
+from swarmnode.averaging import AllReduceResult, butterfly_allreduce
 from swarmnode.data import ShardLoader, default_corpus
 from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.model import build_model, preset
 from swarmnode.recovery import read_receipts
+from swarmnode.reducer import AveragingServicer
 from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot_read import read_header, read_snapshot
+from swarmnode.wire import GroupSpec, Member
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
@@ -195,24 +201,121 @@ def test_a_node_whose_global_params_went_astray_repairs_itself(tmp_path: Path, r
     assert_ledgers_replay(nodes)
 
 
-def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, float]:
-    """(held-out loss after 4 rounds, bytes sent per round) of a 2-node swarm with pinned shards."""
+def fully_covered(last_round: dict, node_ids: set[str]) -> bool:
+    """Whether a round (snapshot metadata `last_round`) averaged all of Δ with every node in every part."""
+    included, group = set(last_round["included"]), set(last_round["group"])
+    return last_round["coverage"] == 1.0 and included == group == node_ids
+
+
+def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, int, dict[str, int]]:
+    """(held-out loss after 4 rounds, Δ's length, bytes sent in each fully covered round of the first 4,
+    by "node I's round to outer step K") of a 2-node swarm with pinned shards, from its cold snapshots."""
     args = [*SWARM, "--wire-dtype", wire_dtype, "--max-outer-steps", "40", "--wait-peers", "1"]
     nodes = start_swarm(reaper, tmp_path / wire_dtype, 2, args, extra=[["--shard", "0"], ["--shard", "1"]])
     wait_for(lambda: all(4 in cold_metadata(n) for n in nodes), 120, f"4 rounds with {wire_dtype}")
-    sent = metric_value(scrape(nodes[0]), "swarmnode_allreduce_round_sent_bytes")
-    loss = cold_metadata(nodes[0])[4]["heldout_loss"]
+    node_ids = {n.info["node_id"] for n in nodes}
+    metas = [cold_metadata(n) for n in nodes]
+    sent = {
+        f"node {i}'s round to outer step {outer}": meta["last_round"]["bytes_sent"]
+        for i, by_outer in enumerate(metas)
+        for outer, meta in sorted(by_outer.items())
+        if outer <= 4 and fully_covered(meta["last_round"], node_ids)
+    }
+    n = cold_global(nodes[0], 4).numel()
     stop_all(nodes)
     assert_ledgers_replay(nodes)
-    return loss, sent
+    return metas[0][4]["heldout_loss"], n, sent
+
+
+def two_node_round_bytes(wire_dtype: str, n: int) -> int:
+    """What each member of a fully covered 2-node round sends: its half of Δ for the other half's
+    reducer, and the average of its own half back, each as one wire image."""
+    return wire.encoded_size(wire_dtype, n // 2) + wire.encoded_size(wire_dtype, n - n // 2)
 
 
 def test_bf16_and_int8_wire_lose_little_and_send_half_and_a_quarter(tmp_path: Path, reaper) -> None:
-    fp32_loss, fp32_bytes = wire_run(tmp_path, reaper, "fp32")
-    for dtype, share in (("bf16", 0.5), ("int8", 0.25)):
-        loss, sent = wire_run(tmp_path, reaper, dtype)
-        assert abs(loss - fp32_loss) <= 0.02 * fp32_loss, (dtype, loss, fp32_loss)
-        assert share <= sent / fp32_bytes <= share * 1.05, (dtype, sent, fp32_bytes)
+    """Every fully covered round of the first 4 sends exactly its two wire images, on both nodes."""
+    losses: dict[str, float] = {}
+    for dtype, share in (("fp32", 1.0), ("bf16", 0.5), ("int8", 0.25)):
+        losses[dtype], n, sent = wire_run(tmp_path, reaper, dtype)
+        expected = two_node_round_bytes(dtype, n)
+        assert share <= expected / two_node_round_bytes("fp32", n) <= share * 1.01, (dtype, expected)
+        assert sent, f"{dtype}: no round of the first 4 was fully covered"
+        for which, got in sent.items():
+            assert got == expected, f"{dtype}: {which} (coverage 1, both in) sent {got} bytes, not {expected}"
+        assert abs(losses[dtype] - losses["fp32"]) <= 0.02 * losses["fp32"], losses
+
+
+class LateWrites:
+    """A reducer's `Exchange` context whose writes of result chunks return only once the call is
+    cancelled: as when the reducer's process is descheduled right after a write while its member takes
+    the whole result and cancels the call."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        await self._context.write(message)
+        if isinstance(message, bytes):  # a chunk (the result's header is a message)
+            await asyncio.Event().wait()
+
+
+class NoSnapshots:
+    def list_snapshots(self) -> list:
+        return []
+
+    def find(self, snapshot_id: str | None) -> None:
+        return None
+
+
+def test_wire_bytes_count_a_result_whose_member_cancels_before_the_write_returns() -> None:
+    """The wire test's exact figures hold on a busy machine: member 0 cancels its call once it holds
+    reducer 1's whole result, before reducer 1's write returns (grpc.aio then cancels the handler)."""
+    n = 10_000
+
+    async def scenario() -> list[AllReduceResult]:
+        servicers = [AveragingServicer("01"), AveragingServicer("02")]
+        exchange = servicers[1].Exchange
+
+        async def late_exchange(requests: Any, context: Any) -> None:
+            await exchange(requests, LateWrites(context))
+
+        servicers[1].Exchange = late_exchange  # type: ignore[method-assign]
+        servers = [
+            await rpc_server.start_server(
+                "127.0.0.1",
+                0,
+                NoSnapshots(),
+                lambda node_id=s.node_id: rpc.NodeStatus(node_id, "run"),
+                extra_servicers=[s.register],
+            )
+            for s in servicers
+        ]
+        try:
+            members = tuple(
+                Member(s.node_id, f"127.0.0.1:{server.port}")
+                for s, server in zip(servicers, servers, strict=True)
+            )
+            spec = GroupSpec("run", 7, "g1", members, "fp32", 10.0)
+            return list(
+                await asyncio.gather(
+                    *(
+                        butterfly_allreduce(s, spec, i, torch.full((n,), float(i)), 1.0)
+                        for i, s in enumerate(servicers)
+                    )
+                )
+            )
+        finally:
+            for server in servers:
+                await server.stop(0)
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 30))
+    for i, result in enumerate(results):
+        assert result.averaged.coverage == 1.0 and torch.equal(result.averaged.delta, torch.full((n,), 0.5))
+        assert result.bytes_sent == two_node_round_bytes("fp32", n), f"member {i}"
 
 
 def test_a_slow_node_contributes_fewer_tokens_with_a_smaller_weight(tmp_path: Path, reaper) -> None:
