@@ -79,15 +79,13 @@ class StartChecks:
 
 def preflight(cfg: NodeConfig) -> StartChecks:
     """Every check a start makes before anything listens, with no side effect (`--dry-run` runs it
-    too): the data dir, the identity file, the listening and advertised hosts, the TLS files, the
+    too): the data dir, the identity file, the listening host, the TLS files, the
     device, the corpus, the preset's context and the shard loader. Raises ValueError (ConfigError or
     the loader's own, each one line naming the flag and the value) for the first that fails."""
     _check_writable_dir(cfg.data_dir, "--data-dir")
     _check_writable_dir(cfg.snapshot_dir, "--data-dir", cfg.data_dir)
     _check_identity_file(cfg)
     _check_bindable(cfg.host)
-    if cfg.advertise_host:
-        _resolve("--advertise-host", cfg.advertise_host)
     security = Security.from_files(cfg.swarm_token, cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
     device = select_device(cfg.device)
     try:
