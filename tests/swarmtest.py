@@ -1,6 +1,7 @@
 """Helpers for tests that run real `swarmnode run` processes on 127.0.0.1.
 
-`NodeProcess` starts one node with free ports (port 0), waits for its DATA_DIR/node.json, and is always
+`NodeProcess` (the package's one child-process harness, `swarmnode.util.procs`, with the tests' tiny
+settings) starts one node with free ports (port 0), waits for its DATA_DIR/node.json, and is always
 killed by the `reaper` fixture, so no test leaves a process behind.
 """
 
@@ -8,18 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from swarmnode.bench_procs import child_env
-from swarmnode.bench_procs import wait_until as wait_for
-from swarmnode.config import LOOPBACK_ARGS
+from swarmnode.util import procs
+from swarmnode.util.procs import LOOPBACK_ARGS
+
+wait_for = procs.wait_until
+"""The one poll helper, as the tests call it."""
 
 TINY_ARGS = (
     "--model",
@@ -36,8 +37,8 @@ TINY_ARGS = (
 )
 
 
-class NodeProcess:
-    """A `swarmnode run` child with its own data dir and log file."""
+class NodeProcess(procs.NodeProcess):
+    """A `swarmnode run` child of the shared harness with the tests' tiny, fast settings."""
 
     def __init__(
         self,
@@ -47,88 +48,11 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
     ) -> None:
-        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NAME]: run the node in a namespace
-        self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.args = [*TINY_ARGS, "--data-dir", str(self.data_dir), *args]
-        self.env = {**child_env(), **(env or {})}  # no SWARMNODE_* setting of the developer's leaks in
-        if faults:
-            self.env["SWARMNODE_FAULTS"] = faults
-        self.log_path = self.data_dir / f"node-{int(time.time() * 1000)}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def restart(self, faults: str | None = None) -> NodeProcess:
-        """Start again with the same arguments (and these faults, by default none)."""
-        self.env.pop("SWARMNODE_FAULTS", None)
-        if faults:
-            self.env["SWARMNODE_FAULTS"] = faults
-        return self.start()
-
-    def start(self) -> NodeProcess:
-        (self.data_dir / "node.json").unlink(missing_ok=True)
-        log = self.log_path.open("ab")  # restarts append to the same log
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "swarmnode.cli", "run", *self.args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-        log.close()
-        return self
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return json.loads((self.data_dir / "node.json").read_text())
-
-    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        def ready() -> bool:
-            self._check_alive()
-            return (self.data_dir / "node.json").exists()
-
-        wait_for(ready, timeout_s, f"node in {self.data_dir} to start")
-        return self.info
+        super().__init__(data_dir, args, faults=faults, env=env, prefix=prefix, base_args=TINY_ARGS)
 
     def wait_nowait(self) -> int | None:
         """The exit code if the process has ended, else None."""
-        return None if self.proc is None else self.proc.poll()
-
-    def stopped(self) -> bool:
-        """Whether the process is stopped (SIGSTOP), from /proc."""
-        assert self.proc is not None
-        try:
-            return (Path("/proc") / str(self.proc.pid) / "stat").read_text().split()[2] == "T"
-        except OSError:
-            return False
-
-    def _check_alive(self) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-
-    def wait(self, timeout_s: float = 120.0) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"node did not exit within {timeout_s} s:\n{self.log()[-4000:]}") from None
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(10)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    @property
-    def grpc_address(self) -> str:
-        return f"{self.info['host']}:{self.info['grpc_port']}"
+        return self.exit_code()
 
 
 class ProcessReaper:
@@ -156,7 +80,7 @@ class ProcessReaper:
 
 
 def newest_snapshot(data_dir: Path) -> Path:
-    from swarmnode.snapshot import iter_snapshot_files
+    from swarmnode.snapshot.format import iter_snapshot_files
 
     files = list(iter_snapshot_files(Path(data_dir) / "snapshots"))
     assert files, f"no snapshot in {data_dir}"
@@ -170,17 +94,18 @@ def start_swarm(
     args: Sequence[str],
     faults: Sequence[str | None] | None = None,
     extra: Sequence[Sequence[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[NodeProcess]:
     """`count` nodes on loopback: the first starts the swarm, the others bootstrap from its DHT port.
-    `faults[i]` and `extra[i]` (more flags) apply to node i."""
+    `faults[i]` and `extra[i]` (more flags) apply to node i, `env` to all."""
     faults = faults or [None] * count
     extra = extra or [()] * count
-    first = reaper.node(base / "n0", [*args, *extra[0]], faults[0]).start()
+    first = reaper.node(base / "n0", [*args, *extra[0]], faults[0], env).start()
     dht_port = first.wait_ready()["dht_port"]
     nodes = [first]
     for i in range(1, count):
         peer_args = [*args, *extra[i], "--peers", f"127.0.0.1:{dht_port}"]
-        nodes.append(reaper.node(base / f"n{i}", peer_args, faults[i]).start())
+        nodes.append(reaper.node(base / f"n{i}", peer_args, faults[i], env).start())
     for node in nodes[1:]:
         node.wait_ready()
     return nodes
@@ -236,9 +161,9 @@ def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
     """Every node's ledger replays as one chain (no batch counted twice or skipped), no chain keeps a
     round whose average another member recorded without it (`ledger.cross_check`), and the swarm's
     newest model records each node at a point of its chain: it holds exactly a prefix of it."""
-    from swarmnode.ledger import check, cross_check, read_ledger
-    from swarmnode.snapshot import parse_snapshot_name
-    from swarmnode.snapshot_read import read_header
+    from swarmnode.core.ledger import check, cross_check, read_ledger
+    from swarmnode.snapshot.format import parse_snapshot_name
+    from swarmnode.snapshot.read import read_header
 
     newest = max((newest_snapshot(n.data_dir) for n in nodes), key=lambda p: parse_snapshot_name(p.name)[1:3])
     lineage = read_header(newest).metadata["swarm_cursors"]
@@ -264,7 +189,7 @@ def sound_file(
 
     import zstandard
 
-    from swarmnode.snapshot import snapshot_file_name
+    from swarmnode.snapshot.format import snapshot_file_name
 
     header = json.dumps(document).encode()
     blob = zstandard.ZstdCompressor().compress(struct.pack("<Q", len(header)) + header + data)
@@ -284,7 +209,7 @@ def with_metadata(
 
     import zstandard
 
-    from swarmnode.snapshot import parse_snapshot_name, snapshot_file_name
+    from swarmnode.snapshot.format import parse_snapshot_name, snapshot_file_name
 
     with path.open("rb") as f:
         raw = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True).read()

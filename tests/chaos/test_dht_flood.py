@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import umsgpack
 
-from swarmnode.ledger import read_ledger
+from swarmnode.core.ledger import read_ledger
 from swarmtest import NodeProcess, metric_value, scrape, start_swarm, stop_all, wait_for
 
 SWARM = (

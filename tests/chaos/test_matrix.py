@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode import rpc, rpc_client
-from swarmnode.ledger import digests_by_round, read_ledger
-from swarmnode.recovery import read_receipts
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot_read import read_header
+from swarmnode.core.ledger import digests_by_round, read_ledger
+from swarmnode.net import rpc, snapshot_client
+from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot.read import read_header
+from swarmnode.swarm.recovery import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
@@ -185,10 +185,10 @@ def test_sigkill_of_a_server_during_a_snapshot_fetch(tmp_path: Path, reaper) -> 
     wait_for(lambda: read_receipts(server.data_dir)[1:], 60, "the server back from its own snapshot")
     address = server.grpc_address
     with pytest.raises(rpc.PeerUnavailable):  # the server dies half-way through the stream
-        asyncio.run(rpc_client.fetch_snapshot(address, tmp_path / "a.snap.zst", chunk_timeout_s=10))
+        asyncio.run(snapshot_client.fetch_snapshot(address, tmp_path / "a.snap.zst", chunk_timeout_s=10))
     assert server.wait(30) == -signal.SIGKILL
     assert not (tmp_path / "a.snap.zst").exists()
-    result = asyncio.run(rpc_client.fetch_snapshot(nodes[0].grpc_address, tmp_path / "b.snap.zst"))
+    result = asyncio.run(snapshot_client.fetch_snapshot(nodes[0].grpc_address, tmp_path / "b.snap.zst"))
     assert result.size_bytes > 0  # the next candidate serves it
     server.restart()
     receipt = wait_for(lambda: read_receipts(server.data_dir)[2:], 120, "the server's restart")[-1]
@@ -245,7 +245,7 @@ def test_a_clock_skewed_by_minutes(tmp_path: Path, reaper) -> None:
 def test_a_network_partition_of_one_node(tmp_path: Path, reaper) -> None:
     with veth_namespace() as (host_ip, ns_ip, namespace, link):
         host_args = [*SWARM, "--host", host_ip]
-        debug = {"SWARMNODE_LOG_DEBUG": "swarmnode.matchmaking"}
+        debug = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.matchmaking"}
         seed = reaper.node(tmp_path / "n0", [*host_args, *SHARDS[0]], env=debug).start()
         peers = ["--peers", f"{host_ip}:{seed.wait_ready()['dht_port']}"]
         second = reaper.node(tmp_path / "n1", [*host_args, *SHARDS[1], *peers], env=debug).start()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode.bench_procs import free_port
-from swarmnode.ledger import read_ledger
-from swarmnode.recovery import read_receipts
+from swarmnode.core.ledger import read_ledger
+from swarmnode.swarm.recovery import read_receipts
+from swarmnode.util.procs import free_port
 from swarmtest import NodeProcess, assert_ledgers_replay, first_agreed_round, stop_all, wait_for
 
 SOAK_S = float(os.environ.get("SWARMNODE_SOAK_SECONDS", 480))
@@ -50,7 +50,7 @@ def pause(seconds: float) -> None:
 
 
 def digests(nodes: list[NodeProcess]) -> dict[int, dict[str, str]]:
-    from swarmnode.ledger import digests_by_round
+    from swarmnode.core.ledger import digests_by_round
 
     rounds: dict[int, dict[str, str]] = {}
     for node in nodes:

@@ -1,6 +1,6 @@
-"""Butterfly all-reduce over real gRPC servers on loopback (swarmnode.averaging).
+"""Butterfly all-reduce over real gRPC servers on loopback (swarmnode.swarm.allreduce).
 
-Each member has its own `rpc_server.start_server` with the averaging service registered, in one process,
+Each member has its own `snapshot_server.start_server` with the averaging service registered, in one process,
 except in the kill test, whose victim is this module run as a script:
 `python test_allreduce.py member NODE_ID N_ELEMENTS SEED WEIGHT` starts a server, prints its port,
 reads the group spec as one JSON line on stdin and joins the all-reduce.
@@ -26,11 +26,14 @@ import grpc
 import pytest
 import torch
 
-from swarmnode import averaging, faults, rpc, rpc_server, wire
-from swarmnode.averaging import AllReduceResult
+from swarmnode.net import rpc, snapshot_server
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.reducer import AveragingServicer
-from swarmnode.wire import GroupSpec, Member
+from swarmnode.swarm import allreduce as averaging
+from swarmnode.swarm import codecs
+from swarmnode.swarm.allreduce import AllReduceResult
+from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.util import faults
 
 pytestmark = pytest.mark.timeout(90)
 LOCALHOST = "127.0.0.1"
@@ -48,7 +51,7 @@ class NoSnapshots:
 @dataclass
 class Node:
     servicer: AveragingServicer
-    server: rpc_server.RpcServer
+    server: snapshot_server.RpcServer
 
     @property
     def address(self) -> str:
@@ -61,7 +64,7 @@ class Node:
 
 async def start_node(node_id: str, on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None) -> Node:
     servicer = AveragingServicer(node_id, on_proposal)
-    server = await rpc_server.start_server(
+    server = await snapshot_server.start_server(
         LOCALHOST,
         0,
         NoSnapshots(),
@@ -169,7 +172,7 @@ def test_compressed_averages_agree_bitwise_and_stay_near_fp32(wire_dtype: str, a
     assert_identical(results)
     error = (results[0].averaged.delta - weighted_average(deltas, weights)).abs()
     assert error.max() < atol and error.mean() < atol / 8
-    assert results[0].bytes_sent == pytest.approx(2 * 2 / 3 * wire.encoded_size(wire_dtype, n), rel=1e-3)
+    assert results[0].bytes_sent == pytest.approx(2 * 2 / 3 * codecs.encoded_size(wire_dtype, n), rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -427,7 +430,7 @@ class RawSender:
     ) -> torch.Tensor | None:
         """Streams part k up to the fraction `stop_at`, then breaks the call (or with `stall`, keeps it
         open without sending more); returns the averaged part if the reducer sends it back."""
-        image = wire.encode(self.delta[slice(*self.spec.part_range(k, self.delta.numel()))], "fp32")
+        image = codecs.encode(self.delta[slice(*self.spec.part_range(k, self.delta.numel()))], "fp32")
         if messages is None:
             stop = int(len(image) * stop_at)
             messages = [pb.Contribution(header=self.header(k))] + [
@@ -453,7 +456,7 @@ class RawSender:
         replies = [reply async for reply in call]
         data = b"".join(r.data for r in replies[1:])
         lo, hi = self.spec.part_range(k, self.delta.numel())
-        return wire.decode(data, self.spec.wire_dtype, hi - lo) if replies[0].header.contributors else None
+        return codecs.decode(data, self.spec.wire_dtype, hi - lo) if replies[0].header.contributors else None
 
 
 def test_malformed_calls_are_refused_and_the_node_carries_on() -> None:

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 # A node driven line by line: one JSON command per stdin line, one JSON answer per stdout line; EOF stops it.
 RUNNER = r"""
 import asyncio, json, sys
-from swarmnode.dht import DHTConfig, SwarmDHT
-from swarmnode.identity import Identity
+from swarmnode.net.dht import DHTConfig, SwarmDHT
+from swarmnode.net.identity import Identity
 
 async def main() -> None:
     identity = Identity.generate()

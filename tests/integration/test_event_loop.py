@@ -16,13 +16,16 @@ import grpc
 import pytest
 import torch
 
-from swarmnode import averaging, faults, rpc, rpc_server, wire
+from swarmnode.net import rpc, snapshot_server
 from swarmnode.proto.v1 import averaging_pb2 as pb_avg
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
-from swarmnode.reducer import AveragingServicer, average
-from swarmnode.snapshot import SnapshotInfo
-from swarmnode.wire import GroupSpec, Member
+from swarmnode.snapshot.format import SnapshotInfo
+from swarmnode.swarm import allreduce as averaging
+from swarmnode.swarm import codecs, wire
+from swarmnode.swarm.reducer import AveragingServicer, average
+from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.util import faults
 
 pytestmark = pytest.mark.timeout(90)
 LOCALHOST = "127.0.0.1"
@@ -97,7 +100,7 @@ def test_a_fetch_cancelled_mid_stream_ends_quietly(tmp_path: Path, caplog: pytes
         return data
 
     async def scenario() -> None:
-        server = await rpc_server.start_server(
+        server = await snapshot_server.start_server(
             LOCALHOST, 0, OneSnapshot(info), status, max_serving=1, faults=rpc.ServeFaults(chunk_filter=count)
         )
         try:
@@ -105,7 +108,7 @@ def test_a_fetch_cancelled_mid_stream_ends_quietly(tmp_path: Path, caplog: pytes
                 stub = pb_grpc.SnapshotServiceStub(channel)
                 call = stub.FetchSnapshot(pb.FetchSnapshotRequest())
                 assert (await call.read()).HasField("meta")
-                await until_stalled(lambda: len(chunks_read), least=rpc_server.READ_AHEAD_CHUNKS + 2)
+                await until_stalled(lambda: len(chunks_read), least=snapshot_server.READ_AHEAD_CHUNKS + 2)
                 call.cancel()
                 await admitted_again(stub)  # the server ended the cancelled stream: its slot is free
         finally:
@@ -141,7 +144,7 @@ def test_an_exchange_cancelled_while_its_result_streams_ends_quietly(
 
     async def scenario() -> None:
         servicer = AveragingServicer("01")
-        server = await rpc_server.start_server(
+        server = await snapshot_server.start_server(
             LOCALHOST, 0, NoSnapshots(), status, extra_servicers=[servicer.register]
         )
         try:
@@ -156,7 +159,7 @@ def test_an_exchange_cancelled_while_its_result_streams_ends_quietly(
                 )()
                 await call.write(pb_avg.Contribution(header=wire.contribution_header(spec, 1, 0, 1.0, n)))
                 assert tuple(await call.initial_metadata()) == wire.ADMITTED
-                for message, _ in wire.chunk_messages(wire.encode(torch.ones(n // 2), "fp32")):
+                for message, _ in wire.chunk_messages(codecs.encode(torch.ones(n // 2), "fp32")):
                     await call.write(message)
                 await call.done_writing()
                 await rnd.all_in.wait()
@@ -183,7 +186,9 @@ def test_a_sleep_fault_in_an_allreduce_leaves_the_loop_serving() -> None:
     async def scenario() -> tuple[float, float, list[averaging.AllReduceResult]]:
         servicers = [AveragingServicer(f"0{i + 1}") for i in range(2)]
         servers = [
-            await rpc_server.start_server(LOCALHOST, 0, NoSnapshots(), status, extra_servicers=[s.register])
+            await snapshot_server.start_server(
+                LOCALHOST, 0, NoSnapshots(), status, extra_servicers=[s.register]
+            )
             for s in servicers
         ]
         gaps = [0.0]

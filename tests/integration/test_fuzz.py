@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarmnode import rpc
-from swarmnode.dht import DHTConfig, SwarmDHT
-from swarmnode.identity import Identity
+from swarmnode.net import rpc
+from swarmnode.net.dht import DHTConfig, SwarmDHT
+from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2, snapshot_pb2
 from swarmtest import ProcessReaper, node_status, start_swarm, wait_for
 

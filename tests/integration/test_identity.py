@@ -8,12 +8,12 @@ import shutil
 import threading
 from pathlib import Path
 
-from swarmnode import rpc, rpc_server
-from swarmnode.dht import DHTEntry
-from swarmnode.ledger import read_ledger
-from swarmnode.membership import DuplicateIdentity, Membership
-from swarmnode.snapshot import SnapshotInfo
-from swarmnode.training import RunIdentity
+from swarmnode.core.ledger import read_ledger
+from swarmnode.core.training import RunIdentity
+from swarmnode.net import rpc, snapshot_server
+from swarmnode.net.dht import DHTEntry
+from swarmnode.snapshot.format import SnapshotInfo
+from swarmnode.swarm.membership import DuplicateIdentity, Membership
 from swarmtest import NodeProcess, start_swarm, stop_all, wait_for
 
 ARGS = (
@@ -104,7 +104,7 @@ def running_twin(node_id: str, uptime_s: float, mine_s: float) -> tuple[list[Dup
 
     async def scenario() -> OneKeyDHT:
         status = rpc.NodeStatus(node_id=node_id, run_id="ident", uptime_s=uptime_s)
-        server = await rpc_server.start_server("127.0.0.1", 0, EmptyCatalog(), lambda: status)
+        server = await snapshot_server.start_server("127.0.0.1", 0, EmptyCatalog(), lambda: status)
         try:
             dht = OneKeyDHT(node_id, f"127.0.0.1:{server.port}")
             run = RunIdentity("ident", node_id, "0" * 64, "0" * 64, "tiny")

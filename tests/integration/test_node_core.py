@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from swarmnode.snapshot_read import read_snapshot
+from swarmnode.snapshot.read import read_snapshot
 from swarmtest import metric_value, newest_snapshot, node_status, scrape, start_swarm, stop_all, wait_for
 
 

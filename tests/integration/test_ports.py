@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode import rpc, rpc_client, rpc_server
-from swarmnode.snapshot import SnapshotInfo
+from swarmnode.net import rpc, snapshot_client, snapshot_server
+from swarmnode.snapshot.format import SnapshotInfo
 from swarmtest import NodeProcess, ProcessReaper
 
 LOCALHOST = "127.0.0.1"
@@ -32,10 +32,10 @@ def status() -> rpc.NodeStatus:
 @pytest.mark.timeout(30)
 def test_a_second_server_on_the_same_port_is_refused_with_eaddrinuse() -> None:
     async def scenario() -> None:
-        first = await rpc_server.start_server(LOCALHOST, 0, NoSnapshots(), status)
+        first = await snapshot_server.start_server(LOCALHOST, 0, NoSnapshots(), status)
         try:
             with pytest.raises(OSError) as refused:
-                second = await rpc_server.start_server(LOCALHOST, first.port, NoSnapshots(), status)
+                second = await snapshot_server.start_server(LOCALHOST, first.port, NoSnapshots(), status)
                 await second.stop(0)  # reached only when the port was shared: the test fails
         finally:
             await first.stop(0)
@@ -65,7 +65,7 @@ def test_a_node_whose_port_is_taken_exits_2_naming_the_flag(tmp_path: Path, reap
         assert not (second.data_dir / "node.json").exists()
 
     async def answers() -> list[str]:  # fresh connections, any of which a second listener could take
-        return [(await rpc_client.get_status(first.grpc_address)).node_id for _ in range(8)]
+        return [(await snapshot_client.get_status(first.grpc_address)).node_id for _ in range(8)]
 
     assert asyncio.run(answers()) == [info["node_id"]] * 8
     assert first.wait_nowait() is None

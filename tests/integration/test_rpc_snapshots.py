@@ -1,4 +1,5 @@
-"""Snapshot serving and fetching over real gRPC sockets on loopback (swarmnode.rpc, rpc_server, rpc_client).
+"""Snapshot serving and fetching over real gRPC sockets on loopback (swarmnode.net: rpc, snapshot_server,
+snapshot_client).
 
 Run as a script (`python test_rpc_snapshots.py serve DIR`), this module is also the server that the
 cross-process test starts: it serves every file in DIR and prints its port.
@@ -24,10 +25,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmnode import rpc, rpc_client, rpc_server
+from swarmnode.cli import commands
+from swarmnode.net import rpc
+from swarmnode.net import snapshot_client as rpc_client
+from swarmnode.net import snapshot_server as rpc_server
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
-from swarmnode.snapshot import SnapshotInfo
+from swarmnode.snapshot.format import SnapshotInfo
 
 pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
@@ -669,15 +673,15 @@ def test_fetch_and_status_commands_print_and_return_exit_codes(
 ) -> None:
     snap = write_snapshot(tmp_path, MiB + 1)
     with served_in_thread([snap]) as address:
-        assert rpc_client.fetch_command(address, "latest", tmp_path / "got") == 0
+        assert commands.fetch_command(address, "latest", tmp_path / "got") == 0
         assert snap.snapshot_id in capsys.readouterr().out
-        assert rpc_client.status_command(address, as_json=True) == 0
+        assert commands.status_command(address, as_json=True) == 0
         assert '"node_id": "node-a"' in capsys.readouterr().out
-        assert rpc_client.status_command(address, as_json=False) == 0
+        assert commands.status_command(address, as_json=False) == 0
         assert "outer 3 inner 42" in capsys.readouterr().out
     assert (tmp_path / "got").read_bytes() == snap.path.read_bytes()
-    assert rpc_client.status_command(f"{LOCALHOST}:{free_port()}", as_json=False) == 1
-    assert rpc_client.fetch_command("no-port", None, tmp_path / "x") == 2
+    assert commands.status_command(f"{LOCALHOST}:{free_port()}", as_json=False) == 1
+    assert commands.fetch_command("no-port", None, tmp_path / "x") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "unreachable" in err[0] and "HOST:PORT" in err[1]
 

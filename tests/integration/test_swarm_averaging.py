@@ -9,16 +9,18 @@ from typing import Any
 
 import torch
 
-from swarmnode import rpc, rpc_server, wire
-from swarmnode.averaging import AllReduceResult, butterfly_allreduce
-from swarmnode.data import ShardLoader, default_corpus
-from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
-from swarmnode.model import build_model, preset
-from swarmnode.recovery import read_receipts
-from swarmnode.reducer import AveragingServicer
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot_read import read_header, read_snapshot
-from swarmnode.wire import GroupSpec, Member
+from swarmnode.core.data import ShardLoader, default_corpus
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.model import build_model
+from swarmnode.core.presets import preset
+from swarmnode.net import rpc, snapshot_server
+from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot.read import read_header, read_snapshot
+from swarmnode.swarm import codecs
+from swarmnode.swarm.allreduce import AllReduceResult, butterfly_allreduce
+from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.wire import GroupSpec, Member
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
@@ -230,7 +232,7 @@ def wire_run(tmp_path: Path, reaper, wire_dtype: str) -> tuple[float, int, dict[
 def two_node_round_bytes(wire_dtype: str, n: int) -> int:
     """What each member of a fully covered 2-node round sends: its half of Δ for the other half's
     reducer, and the average of its own half back, each as one wire image."""
-    return wire.encoded_size(wire_dtype, n // 2) + wire.encoded_size(wire_dtype, n - n // 2)
+    return codecs.encoded_size(wire_dtype, n // 2) + codecs.encoded_size(wire_dtype, n - n // 2)
 
 
 def test_bf16_and_int8_wire_lose_little_and_send_half_and_a_quarter(tmp_path: Path, reaper) -> None:
@@ -285,7 +287,7 @@ def test_wire_bytes_count_a_result_whose_member_cancels_before_the_write_returns
 
         servicers[1].Exchange = late_exchange  # type: ignore[method-assign]
         servers = [
-            await rpc_server.start_server(
+            await snapshot_server.start_server(
                 "127.0.0.1",
                 0,
                 NoSnapshots(),

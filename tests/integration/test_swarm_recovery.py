@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarmnode import rpc, rpc_client
-from swarmnode.announcements import Announcement, snapshots_key
-from swarmnode.dht import DHTConfig, SwarmDHT
-from swarmnode.identity import Identity
-from swarmnode.recovery import read_receipts
+from swarmnode.net import rpc, snapshot_client
+from swarmnode.net.dht import DHTConfig, SwarmDHT
+from swarmnode.net.identity import Identity
+from swarmnode.swarm.announcements import Announcement, snapshots_key
+from swarmnode.swarm.recovery import read_receipts
 from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")
@@ -136,7 +136,7 @@ def test_one_fetch_over_max_serving_is_refused_while_training_goes_on(tmp_path: 
 
     async def three_fetches() -> list[object]:
         fetches = [
-            rpc_client.fetch_snapshot(node.grpc_address, tmp_path / f"f{i}.snap.zst", chunk_timeout_s=30)
+            snapshot_client.fetch_snapshot(node.grpc_address, tmp_path / f"f{i}.snap.zst", chunk_timeout_s=30)
             for i in range(3)
         ]
         tasks = [asyncio.create_task(f) for f in fetches]

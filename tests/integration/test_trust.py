@@ -15,11 +15,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from swarmnode import rpc, rpc_client
+from swarmnode.net import rpc, snapshot_client
+from swarmnode.net.security import Security
 from swarmnode.proto.v1 import averaging_pb2, averaging_pb2_grpc
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
-from swarmnode.security import Security
 from swarmtest import node_status, scrape, start_swarm, stop_all, wait_for
 
 TOKEN = "correct-horse-battery-staple-7f3a"
@@ -167,7 +167,7 @@ def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, 
             assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (label, codes)
         rpc.configure_client(client(pki, token=None))
         with pytest.raises(rpc.PeerUnavailable) as refused:
-            asyncio.run(rpc_client.fetch_snapshot(address, tmp_path / "x.snap.zst"))
+            asyncio.run(snapshot_client.fetch_snapshot(address, tmp_path / "x.snap.zst"))
         assert refused.value.reason == "refused" and TOKEN not in str(refused.value)
         assert not (tmp_path / "x.snap.zst").exists()
     finally:
@@ -224,7 +224,7 @@ def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
 def node_status_secure(node, pki) -> dict:
     rpc.configure_client(client(pki))
     try:
-        status = asyncio.run(rpc_client.get_status(f"localhost:{node.info['grpc_port']}"))
+        status = asyncio.run(snapshot_client.get_status(f"localhost:{node.info['grpc_port']}"))
     finally:
         rpc.configure_client(Security())
     return {"last_group": status.last_group, "outer_step": status.outer_step}

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmnode import faults
-from swarmnode.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
-from swarmnode.metrics import Metrics
-from swarmnode.snapshot import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot_read import read_snapshot
+from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
+from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot.read import read_snapshot
+from swarmnode.util import faults
+from swarmnode.util.metrics import Metrics
 from swarmtest import sound_file, with_metadata
 
 NODE = "ab" * 20

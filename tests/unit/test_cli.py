@@ -16,9 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode import cli, demo, node, rpc, rpc_server
-from swarmnode.config import ConfigError
-from swarmnode.ledger import Ledger
+from swarmnode.cli import demo
+from swarmnode.cli import main as cli
+from swarmnode.core.ledger import Ledger
+from swarmnode.net import rpc, snapshot_server
+from swarmnode.node import startup as node
+from swarmnode.util import procs
+from swarmnode.util.errors import ConfigError
 
 TINY = (
     "--model",
@@ -133,7 +137,7 @@ def status_server() -> Iterator[str]:
     stop = threading.Event()
 
     async def serve() -> None:
-        server = await rpc_server.start_server(
+        server = await snapshot_server.start_server(
             "127.0.0.1", 0, NoSnapshots(), lambda: rpc.NodeStatus("n1", "run")
         )
         ports.put(server.port)
@@ -269,8 +273,8 @@ def test_demo_nodes_get_no_swarmnode_setting_of_the_user(
         def __init__(self, argv: list[str], **kwargs: object) -> None:
             started.append(kwargs["env"])  # type: ignore[arg-type]
 
-    monkeypatch.setattr(demo.subprocess, "Popen", Recorder)
-    demo.DemoNode("node1", tmp_path, ["--data-dir", str(tmp_path)]).start()
+    monkeypatch.setattr(procs.subprocess, "Popen", Recorder)
+    demo.DemoNode("node1", tmp_path, []).start()
     (env,) = started
     assert not [name for name in env if name.startswith("SWARMNODE_")]
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path.parent / "torch-cache") and "PATH" in env

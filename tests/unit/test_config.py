@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode.cli import build_parser
-from swarmnode.config import FLAGS, ConfigError, NodeConfig, build_run_parser, load_config
+from swarmnode.cli.main import build_parser
+from swarmnode.node.config import FLAGS, NodeConfig, build_run_parser, load_config
+from swarmnode.util.errors import ConfigError
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None, toml: Path | None = None) -> NodeConfig:
@@ -189,5 +190,5 @@ def test_help_shows_one_default_and_the_choices_of_each_flag() -> None:
     text = parser.format_help()
     for shown in ("--model {tiny,small,base}", "--layout {planes,plain}", "--device {auto,cpu,cuda}"):
         assert shown in text
-    assert "--wire-dtype {bf16,fp32,int8}" in text
+    assert "--wire-dtype {fp32,bf16,int8}" in text
     assert actions["threads"].help.startswith("CPU threads for torch (default: torch's own choice); env")

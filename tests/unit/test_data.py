@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarmnode.data import ShardLoader, default_corpus, load_corpus, shard_for_node, window_order
+from swarmnode.core.data import ShardLoader, default_corpus, load_corpus, shard_for_node, window_order
 
 
 @pytest.fixture(scope="module")

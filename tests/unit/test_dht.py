@@ -1,4 +1,4 @@
-"""SwarmDHT in one process: several nodes on 127.0.0.1 UDP in one event loop (DESIGN.md §3 "DHT records")."""
+"""SwarmDHT in one process: several nodes on 127.0.0.1 UDP in one event loop."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
-from swarmnode import dht, dht_records
-from swarmnode.dht import (
+from swarmnode.net import dht, dht_records
+from swarmnode.net.dht import (
     MAX_ANSWER_ENTRY_BYTES,
     MAX_VERIFYING_PER_SOURCE,
     DHTConfig,
@@ -31,7 +31,7 @@ from swarmnode.dht import (
     datagram_tag,
     parse_peer,
 )
-from swarmnode.dht_records import (
+from swarmnode.net.dht_records import (
     CLOCK_SKEW_S,
     MAX_RECORD_BYTES,
     MAX_TTL_S,
@@ -46,9 +46,9 @@ from swarmnode.dht_records import (
     merge_entries,
     sign_entry,
 )
-from swarmnode.identity import Identity
-from swarmnode.metrics import DHT_REJECT_REASONS
-from swarmnode.security import Security
+from swarmnode.net.identity import Identity
+from swarmnode.net.security import Security
+from swarmnode.util.metrics import DHT_REJECT_REASONS
 
 pytestmark = pytest.mark.timeout(60)
 

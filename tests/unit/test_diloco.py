@@ -6,9 +6,10 @@ import copy
 
 import torch
 
-from swarmnode.data import Batch
-from swarmnode.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
-from swarmnode.model import ModelConfig, build_model
+from swarmnode.core.data import Batch
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.model import build_model
+from swarmnode.core.presets import ModelConfig
 
 CFG = ModelConfig(n_layer=1, n_embd=32, n_head=2, context=16, vocab_size=64)
 DILOCO = DilocoConfig(inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9)

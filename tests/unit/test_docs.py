@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmnode.config import FLAGS
-from swarmnode.metrics import Metrics
+from swarmnode.node.config import FLAGS
+from swarmnode.util.metrics import Metrics
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -21,9 +21,27 @@ def test_every_metric_is_documented() -> None:
         assert f"`{name}`" in README, name
 
 
-def test_every_module_is_in_the_module_map() -> None:
-    package = Path(__file__).parents[2] / "swarmnode"
-    for path in package.glob("*.py"):
-        if path.name in ("__init__.py",) or path.name.startswith("bench"):
+def readme_module_tree() -> set[str]:
+    """The modules the README's tree names, as paths inside the package."""
+    block = README.split("## Modules", 1)[1].split("```", 2)[1]
+    paths, folders = set(), []
+    for line in block.splitlines()[2:]:  # below "swarmnode/"
+        name, depth = line.strip().split(" ")[0], (len(line) - len(line.lstrip())) // 2 - 1
+        if not name:
             continue
-        assert f"`{path.name}`" in README, path.name
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            paths.add("/".join([*folders, name]))
+    return paths
+
+
+def test_the_module_tree_matches_the_package() -> None:
+    package = Path(__file__).parents[2] / "swarmnode"
+    found = {
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if "proto" not in p.parts and p.name != "__init__.py"
+    }
+    assert readme_module_tree() == found

@@ -1,4 +1,4 @@
-"""Test-only fault points (swarmnode.faults): declared once, misspellings refused, and a sleep at a point
+"""Test-only fault points (swarmnode.util.faults): declared once, misspellings refused, and a sleep at a point
 on the event loop pauses only its own task."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode import cli, faults
+from swarmnode.cli import main as cli
+from swarmnode.util import faults
 
-PACKAGE = Path(faults.__file__).parent
+PACKAGE = Path(faults.__file__).parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +42,7 @@ def test_every_point_the_code_names_is_declared() -> None:
     """The points are the literals of `hit(`, `ahit(`, `armed(` and `find(` calls across the package
     (the kind-prefixed snapshot points and the clock are spelled out)."""
     named: set[str] = set()
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         named |= set(re.findall(r"faults\.a?hit\(\s*\"([a-z_]+)\"", text))
         named |= set(re.findall(r"faults\.armed\(\s*\"([a-z_]+)\"", text))

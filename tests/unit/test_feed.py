@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from swarmnode.feed import ByteFeed, FeedClosed
+from swarmnode.snapshot.feed import ByteFeed, FeedClosed
 
 
 def test_bytes_arrive_in_order_across_chunk_boundaries_with_backpressure() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmnode.ledger import Ledger, check, cross_check, read_ledger
+from swarmnode.core.ledger import Ledger, check, cross_check, read_ledger
 
 SURVIVOR, VICTIM = "aa" * 20, "bb" * 20
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from swarmnode.dht_records import DHTEntry
-from swarmnode.matchmaking import Matchmaker, Outcome
-from swarmnode.wire import GroupSpec
+from swarmnode.net.dht_records import DHTEntry
+from swarmnode.swarm.matchmaking import Matchmaker, Outcome
+from swarmnode.swarm.wire import GroupSpec
 
 RUN_DIGEST = "ab" * 32
 GLOBAL_DIGEST = "cd" * 32

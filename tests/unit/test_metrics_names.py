@@ -1,4 +1,4 @@
-"""Every metric a node exposes follows Prometheus' naming rules and ours (DESIGN.md §3 Metrics): the
+"""Every metric a node exposes follows Prometheus' naming rules and ours (README "Metrics"): the
 `swarmnode_` prefix, `_total` counters, base units as the last word, and labels from small fixed sets."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from swarmnode import metrics as metrics_module
-from swarmnode.metrics import Metrics
+from swarmnode.util import metrics as metrics_module
+from swarmnode.util.metrics import Metrics
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

@@ -13,9 +13,9 @@ import pytest
 import zstandard
 
 import swarmnode
-from swarmnode import rpc_client, rpc_server
-from swarmnode.snapshot import SnapshotError, SnapshotInfo
-from swarmnode.snapshot_read import read_snapshot
+from swarmnode.net import snapshot_client, snapshot_server
+from swarmnode.snapshot.format import SnapshotError, SnapshotInfo
+from swarmnode.snapshot.read import read_snapshot
 
 PACKAGE = Path(swarmnode.__file__).parent
 FORBIDDEN = [
@@ -67,10 +67,10 @@ def test_a_peer_serving_a_pickle_gets_it_refused_and_never_executed(tmp_path: Pa
             return info
 
     async def fetch_from_the_evil_peer() -> Path:
-        server = await rpc_server.start_server("127.0.0.1", 0, Catalog(), lambda: None)
+        server = await snapshot_server.start_server("127.0.0.1", 0, Catalog(), lambda: None)
         try:
             out = tmp_path / "fetched.snap.zst"
-            await rpc_client.fetch_snapshot(f"127.0.0.1:{server.port}", out, snapshot_id=snapshot_id)
+            await snapshot_client.fetch_snapshot(f"127.0.0.1:{server.port}", out, snapshot_id=snapshot_id)
             return out
         finally:
             await server.stop(0)

@@ -6,7 +6,7 @@ import dataclasses
 import io
 import json
 
-from swarmnode.progress import ProgressReporter, ProgressSample
+from swarmnode.node.progress import ProgressReporter, ProgressSample
 
 SAMPLE = ProgressSample(
     round=3,
@@ -57,16 +57,18 @@ def test_json_lines_for_machines() -> None:
 def test_holding_and_waiting_for_the_swarm_have_phases_of_their_own() -> None:
     """Between a round that found no group (or that the swarm closed without this node) and its next
     inner phase the line says so, instead of repeating the last inner figures as `[inner]`."""
-    from swarmnode.node import phase_before_round
-    from swarmnode.progress import Phase
-    from swarmnode.rounds import RoundResult
+    from swarmnode.node.daemon import phase_before_round
+    from swarmnode.node.progress import Phase
+    from swarmnode.swarm.matchmaking import Offer
+    from swarmnode.swarm.rounds import RoundResult
 
     held = RoundResult(None, ("n1",), coverage=0.0, held=True)
-    assert phase_before_round(held, missed=False, repair_pending=False) == Phase.HOLDING
-    assert phase_before_round(held, missed=True, repair_pending=False) == Phase.WAITING_FOR_SWARM
-    assert phase_before_round(RoundResult(None), missed=False, repair_pending=True) == Phase.WAITING_FOR_SWARM
-    assert phase_before_round(RoundResult(None, ("n1", "n2")), False, False) == Phase.INNER
-    assert phase_before_round(None, False, False) == Phase.INNER
+    offer = Offer("n2", "h:1", 1.0, "0" * 64, "0" * 64, 1.0, None, 3)
+    assert phase_before_round(held) == Phase.HOLDING
+    assert phase_before_round(dataclasses.replace(held, missed=True)) == Phase.WAITING_FOR_SWARM
+    assert phase_before_round(RoundResult(None, repair_from=(offer,))) == Phase.WAITING_FOR_SWARM
+    assert phase_before_round(RoundResult(None, ("n1", "n2"))) == Phase.INNER
+    assert phase_before_round(None) == Phase.INNER
     stream = io.StringIO()
     ProgressReporter.for_stream(stream, "text").report(
         dataclasses.replace(SAMPLE, step=500, phase=Phase.HOLDING)

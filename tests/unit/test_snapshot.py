@@ -14,9 +14,9 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from swarmnode.snapshot import SnapshotError, SnapshotMismatch, parse_snapshot_name
-from swarmnode.snapshot_read import read_header, read_snapshot, verify_snapshot
-from swarmnode.snapshot_write import write_snapshot
+from swarmnode.snapshot.format import SnapshotError, SnapshotMismatch, parse_snapshot_name
+from swarmnode.snapshot.read import read_header, read_snapshot, verify_snapshot
+from swarmnode.snapshot.write import write_snapshot
 
 META = {"outer_step": 2, "inner_step": 17, "run_id": "r", "node_id": "n", "cursor": {"shard": 1}}
 
@@ -263,8 +263,8 @@ def test_a_small_file_claiming_gigabytes_is_refused_with_bounded_memory(tmp_path
     script = (
         "import resource, sys\n"
         "from pathlib import Path\n"
-        "from swarmnode.snapshot import SnapshotError\n"
-        "from swarmnode.snapshot_read import read_snapshot\n"
+        "from swarmnode.snapshot.format import SnapshotError\n"
+        "from swarmnode.snapshot.read import read_snapshot\n"
         "try:\n"
         f"    read_snapshot(Path({str(path)!r}))\n"
         "except SnapshotError as exc:\n"

@@ -1,0 +1,1 @@
+"""Layer 5: benchmarks (nothing in the runtime layers imports them)."""

@@ -1,0 +1,102 @@
+"""`swarmnode bench allreduce`: butterfly all-reduce of a pseudo-gradient of the preset's size among N
+local processes, per wire dtype, vs the butterfly's bound measured in the same run.
+
+Each member is a worker process with an `AveragingServicer` on a real gRPC server (one torch thread
+each: the members share the machine's cores). A round tells every member the group (so calls that come
+early are held), then starts them together; its time is the slowest member's `AllReduceResult.seconds`.
+The bound is what the butterfly must move through each member's link: 2(N−1)/N · bytes, at the speed of
+a raw loopback TCP transfer of the same bytes between two processes, sampled beside each round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmnode.bench.fetch import raw_receive
+from swarmnode.bench.runner import BenchResult, median
+from swarmnode.core.model import build_model, count_parameters
+from swarmnode.core.presets import preset
+from swarmnode.swarm.allreduce import GroupSpec
+from swarmnode.swarm.codecs import encoded_size
+from swarmnode.swarm.wire import WIRE_DTYPES, Member
+from swarmnode.util.errors import ConfigError
+from swarmnode.util.procs import Worker
+
+WORKER_START_S = 120.0
+ROUND_TIMEOUT_S = 300.0
+
+
+def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 3) -> BenchResult:
+    """`nodes`: group members (processes); `rounds`: all-reduces per wire dtype."""
+    if nodes < 2:
+        raise ConfigError(f"--nodes: an all-reduce needs at least 2 members, got {nodes}")
+    result = BenchResult("allreduce", preset_name)
+    numel = _param_count(preset_name)
+    result.add("pseudo-gradient", numel / 1e6, "M values", f"{nodes} member processes")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as children:
+        ids = [hashlib.sha256(f"bench-member-{k}".encode()).hexdigest()[:40] for k in range(nodes)]
+        workers = [children.enter_context(Worker(Path(tmp), "average", node_id)) for node_id in ids]
+        sender = children.enter_context(Worker(Path(tmp), "serve"))
+        members = tuple(
+            Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
+            for node_id, worker in zip(ids, workers, strict=True)
+        )
+        tcp_port = sender.read(WORKER_START_S)["tcp"]
+        for wire_dtype in WIRE_DTYPES:
+            size = encoded_size(wire_dtype, numel)
+            seconds, raw, replies = [], [], []
+            for r in range(rounds):
+                raw.append(raw_receive(tcp_port, size, None)[0])
+                spec = GroupSpec("bench", r, f"{wire_dtype}-{r}", members, wire_dtype, ROUND_TIMEOUT_S)
+                replies = _one_round(workers, spec, numel)
+                seconds.append(max(reply["seconds"] for reply in replies))
+            _report(result, wire_dtype, size, nodes, seconds, raw, replies)
+    return result
+
+
+def _param_count(preset_name: str) -> int:
+    return count_parameters(build_model(preset(preset_name, 256), 0, torch.device("cpu")))
+
+
+def _one_round(workers: list[Worker], spec: GroupSpec, numel: int) -> list[dict[str, Any]]:
+    for k, worker in enumerate(workers):
+        if not worker.ask({"spec": spec.to_dict(), "numel": numel, "seed": k}, ROUND_TIMEOUT_S)["ready"]:
+            raise RuntimeError(f"member {k} refused group {spec.group_id}")
+    for worker in workers:
+        worker.send({"go": True})
+    return [worker.read(ROUND_TIMEOUT_S) for worker in workers]
+
+
+def _report(
+    result: BenchResult,
+    wire_dtype: str,
+    size: int,
+    nodes: int,
+    seconds: list[float],
+    raw: list[float],
+    replies: list[dict[str, Any]],
+) -> None:
+    share = 2 * (nodes - 1) / nodes
+    bound = share * min(raw)
+    coverage = min(reply["coverage"] for reply in replies)
+    sent = sum(reply["bytes_sent"] for reply in replies) / len(replies)
+    result.add(
+        f"all-reduce {wire_dtype}",
+        min(seconds) * 1e3,
+        "ms",
+        f"best of {len(seconds)}, median {median(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}",
+    )
+    result.add(
+        f"raw TCP of the {wire_dtype} bytes",
+        size / min(raw) / 1e9,
+        "GB/s",
+        f"{size / 1e6:.1f} MB; butterfly bound {bound * 1e3:.1f} ms",
+    )
+    result.add(f"bytes sent per member, {wire_dtype}", sent / (share * size), "x bound", "2(N-1)/N x bytes")
+    result.ratio(f"all-reduce {wire_dtype} / butterfly bound", min(seconds) / bound, "target ≤ 1.5")

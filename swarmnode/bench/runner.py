@@ -1,0 +1,133 @@
+"""`swarmnode bench`: what this machine does, each figure a ratio against an anchor measured in the same
+run (shared machines are noisy: only ratios within one run mean anything). Absolute times are printed,
+never asserted. Peak RSS is reported beside each figure.
+
+This module holds the report format, the shared helpers and the registry; each bench lives in
+`bench_<name>.py` and is imported only when it runs:
+
+| bench | figure | anchor |
+| --- | --- | --- |
+| `snapshot` | hot-snapshot stall of the training thread | memcpy of the same bytes |
+| `fetch` | gRPC snapshot fetch throughput | raw loopback TCP of the same bytes |
+| `recovery` | kill -9 → trained again, by stage | each stage alone on the same file |
+| `allreduce` | butterfly all-reduce of a pseudo-gradient | 2(N−1)/N · bytes / raw TCP throughput |
+| `train` | tokens/s of a real node; DiLoCo quality | a bare training loop; synchronous DP |
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from swarmnode.core.data import ShardLoader, default_corpus
+from swarmnode.core.diloco import DilocoConfig
+from swarmnode.core.presets import preset
+from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
+from swarmnode.util.errors import ConfigError
+from swarmnode.util.metrics import Metrics
+from swarmnode.util.procs import largest_child_rss_mb
+
+KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality")
+"""Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    bench: str
+    preset: str
+    figures: list[Figure] = field(default_factory=list)
+    ratios: list[Figure] = field(default_factory=list)
+    peak_rss_mb: float = 0.0
+
+    def add(self, name: str, value: float, unit: str, note: str = "") -> None:
+        self.figures.append(Figure(name, value, unit, note))
+
+    def ratio(self, name: str, value: float, note: str = "") -> None:
+        self.ratios.append(Figure(name, value, "x", note))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def table(self) -> str:
+        lines = [f"swarmnode bench {self.bench} (preset {self.preset}, peak RSS {self.peak_rss_mb:.0f} MB)"]
+        for f in self.figures:
+            lines.append(f"  {f.name:<44} {f.value:>12.4g} {f.unit:<8} {f.note}")
+        if self.ratios:
+            lines.append("  ratios (same run):")
+            for f in self.ratios:
+                lines.append(f"  {f.name:<44} {f.value:>12.3f} {f.unit:<8} {f.note}")
+        return "\n".join(lines)
+
+
+def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchResult:
+    """Runs bench `name` with the knobs in `options` that are set (not None); ConfigError for a knob the
+    bench does not take or a value it refuses."""
+    bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
+    knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
+    accepted = inspect.signature(bench).parameters
+    for knob, value in knobs.items():
+        flag = "--" + knob.replace("_", "-")
+        if knob not in accepted:
+            raise ConfigError(f"{flag}: bench {name} has no such knob, got {value}")
+        if not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    result: BenchResult = bench(preset_name, **knobs)
+    result.peak_rss_mb = peak_rss_mb()
+    children = largest_child_rss_mb()
+    if children:
+        result.add("peak RSS of the largest child process", children, "MB")
+    return result
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def load_note() -> str:
+    """The machine's 1-minute load average against its cores: other work competing with the bench."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
+BENCH_NODE_ID = "be" * 20
+"""The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
+
+
+def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
+    """A training run of the preset after a few inner steps, so weights and Adam moments are realistic."""
+    corpus = default_corpus()
+    model_cfg = preset(preset_name, corpus.vocab_size)
+    loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
+    digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
+    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
+    run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
+    run.inner_phase(train_steps, None, threading.Event(), lambda: None)
+    return run

@@ -1,0 +1,211 @@
+"""The child side of the benches' worker processes (`python -m swarmnode.bench.worker ROLE ARGS…`).
+
+A worker prints one JSON line once it listens, then answers one JSON line per request read from stdin
+(`{"error": …}` if a request failed), and exits when stdin closes. Roles:
+- `serve [SNAPSHOT_FILE]`: a raw TCP sender on loopback (each connection sends an 8-byte little-endian
+  length first: 0 asks for the file, n > 0 for n bytes from memory) and, given a file, a real gRPC
+  snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
+- `quality diloco|dp`: says `{"side": …}`; a request `{"workers", "inner_steps", "outer_steps"}` trains
+  that side of the quality comparison (`bench_quality.train_side`) and answers its held-out loss.
+- `average NODE_ID`: an `AveragingServicer` on a gRPC server. Says `{"grpc": port}`; a request
+  `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
+  (`{"ready": true}`); `{"go": true}` runs `butterfly_allreduce` of that group and answers its seconds,
+  bytes sent and coverage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmnode.net import rpc, snapshot_server
+from swarmnode.snapshot.checkpointer import read_local_snapshot
+from swarmnode.snapshot.format import SnapshotInfo
+from swarmnode.swarm.allreduce import AveragingServicer, GroupSpec, butterfly_allreduce
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def answer_requests(handle: Handler) -> None:
+    """Answers each stdin line with `handle`'s reply until stdin closes."""
+    while line := await asyncio.to_thread(sys.stdin.readline):
+        try:
+            reply = await handle(json.loads(line))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the bench
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        say(reply)
+
+
+# ---------------------------------------------------------------------------------------------------
+# serve
+
+
+class _OneSnapshot:
+    """A snapshot catalog of one file."""
+
+    def __init__(self, info: SnapshotInfo) -> None:
+        self.info = info
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return [self.info]
+
+    def find(self, snapshot_id: str | None) -> SnapshotInfo | None:
+        return self.info if snapshot_id in (None, self.info.snapshot_id) else None
+
+
+class _NoSnapshots:
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return []
+
+    def find(self, snapshot_id: str | None) -> SnapshotInfo | None:
+        return None
+
+
+def _status(node_id: str) -> Callable[[], rpc.NodeStatus]:
+    return lambda: rpc.NodeStatus(node_id=node_id, run_id="bench")
+
+
+class RawSender:
+    """A plain TCP sender on 127.0.0.1: `sendfile` of the file, or `sendall` of bytes from memory."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self._memory = bytearray()
+        threading.Thread(target=self._serve, name="raw-sender", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self.listener.accept()
+            with conn:
+                self._send(conn, int.from_bytes(_recv_exact(conn, 8), "little"))
+
+    def _send(self, conn: socket.socket, wanted: int) -> None:
+        if wanted == 0:
+            assert self.path is not None, "no file to send"
+            with self.path.open("rb") as f:
+                size, offset = os.fstat(f.fileno()).st_size, 0
+                while offset < size:
+                    offset += os.sendfile(conn.fileno(), f.fileno(), offset, size - offset)
+            return
+        if len(self._memory) < wanted:
+            self._memory = bytearray(os.urandom(1 << 20) * (wanted // (1 << 20) + 1))
+        conn.sendall(memoryview(self._memory)[:wanted])
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed early")
+        data += chunk
+    return data
+
+
+async def serve(path: Path | None) -> None:
+    raw = RawSender(path)
+    server = None
+    if path is not None:
+        info = read_local_snapshot(path, None).info
+        server = await snapshot_server.start_server(
+            "127.0.0.1", 0, _OneSnapshot(info), _status("00"), max_serving=4
+        )
+    say({"tcp": raw.port, "grpc": server.port if server else None})
+
+    async def nothing(request: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    try:
+        await answer_requests(nothing)
+    finally:
+        if server is not None:
+            await server.stop(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# average
+
+
+class Member:
+    """One all-reduce member: its servicer, the group it expects next and its random Δ."""
+
+    def __init__(self, servicer: AveragingServicer) -> None:
+        self.servicer = servicer
+        self.spec: GroupSpec | None = None
+        self.delta = torch.empty(0)
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        if "spec" in request:
+            self.spec = GroupSpec.from_dict(request["spec"])
+            if self.delta.numel() != request["numel"]:
+                generator = torch.Generator().manual_seed(int(request["seed"]))
+                self.delta = torch.randn(int(request["numel"]), generator=generator)
+            return {"ready": self.servicer.expect(self.spec)}
+        assert self.spec is not None, "go before spec"
+        spec, index = self.spec, self.spec.index_of(self.servicer.node_id)
+        result = await butterfly_allreduce(self.servicer, spec, index, self.delta, 1.0)
+        return {
+            "seconds": result.seconds,
+            "bytes_sent": result.bytes_sent,
+            "coverage": result.averaged.coverage,
+        }
+
+
+async def average(node_id: str) -> None:
+    torch.set_num_threads(1)  # the group's members share the machine's cores
+    servicer = AveragingServicer(node_id)
+    server = await snapshot_server.start_server(
+        "127.0.0.1", 0, _NoSnapshots(), _status(node_id), extra_servicers=[servicer.register]
+    )
+    say({"grpc": server.port})
+    try:
+        await answer_requests(Member(servicer).handle)
+    finally:
+        await server.stop(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# quality
+
+
+async def quality(side: str) -> None:
+    from swarmnode.bench.quality import QualityRun, train_side
+
+    say({"side": side})
+
+    async def train(request: dict[str, Any]) -> dict[str, Any]:
+        return train_side(side, QualityRun(**request))
+
+    await answer_requests(train)
+
+
+def main(argv: list[str]) -> None:
+    role, args = argv[0], argv[1:]
+    if role == "serve":
+        asyncio.run(serve(Path(args[0]) if args else None))
+    elif role == "average":
+        asyncio.run(average(args[0]))
+    elif role == "quality":
+        asyncio.run(quality(args[0]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,7 @@
+"""`python -m swarmnode.cli …`: the `swarmnode` command."""
+
+import sys
+
+from swarmnode.cli.main import main
+
+sys.exit(main())

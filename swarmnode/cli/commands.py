@@ -1,0 +1,98 @@
+"""The `swarmnode status`, `fetch` and `ledger check` commands: what they print and their exit codes
+(`main.py` parses the arguments). Imports no torch, so a status answers in well under a second."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from swarmnode.core.ledger import check_dirs, cross_check
+from swarmnode.net.rpc import NodeStatus, PeerUnavailable
+from swarmnode.net.snapshot_client import fetch_snapshot, get_status
+
+
+def fetch_command(address: str, snapshot: str | None, out: Path) -> int:
+    """`swarmnode fetch`: fetches and verifies a snapshot into `out`; prints one line. Returns the
+    exit code: 0 done, 1 the peer could not deliver, 2 bad arguments."""
+    snapshot_id = None if snapshot in (None, "", "latest") else snapshot
+    try:
+        result = asyncio.run(fetch_snapshot(address, Path(out), snapshot_id=snapshot_id))
+    except ValueError as exc:
+        print(f"swarmnode fetch: {exc}", file=sys.stderr)
+        return 2
+    except (PeerUnavailable, OSError) as exc:
+        print(f"swarmnode fetch: {exc}", file=sys.stderr)
+        return 1
+    meta = result.metadata
+    rate = result.size_bytes / max(result.seconds, 1e-9) / 1e6
+    print(
+        f"{out}: snapshot {meta.snapshot_id} ({meta.kind}, outer step {meta.outer_step}, inner step "
+        f"{meta.inner_step}), {result.size_bytes} bytes in {result.seconds:.2f} s ({rate:.0f} MB/s), "
+        "sha256 ok"
+    )
+    return 0
+
+
+def status_command(address: str, as_json: bool) -> int:
+    """`swarmnode status`: prints a node's live state (as JSON with `as_json`). Returns the exit code:
+    0 done, 1 the node did not answer, 2 bad arguments."""
+    try:
+        status = asyncio.run(get_status(address))
+    except ValueError as exc:
+        print(f"swarmnode status: {exc}", file=sys.stderr)
+        return 2
+    except PeerUnavailable as exc:
+        print(f"swarmnode status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(dataclasses.asdict(status), indent=2) if as_json else format_status(status))
+    return 0
+
+
+def format_status(status: NodeStatus) -> str:
+    """A node's status as a few human-readable lines."""
+    loss = "-" if status.last_loss is None else f"{status.last_loss:.4f}"
+    cur = status.cursor
+    cursor = "-" if cur is None else f"shard {cur.shard} epoch {cur.epoch} position {cur.position}"
+    lines = [
+        f"node {status.node_id}  run {status.run_id}  phase {status.phase}  up {status.uptime_s:.0f} s",
+        f"step outer {status.outer_step} inner {status.inner_step}  loss {loss}  "
+        f"{status.tokens_per_s:.0f} tokens/s",
+        f"cursor {cursor}  peers {status.peers}  digest {status.global_digest or '-'}",
+    ]
+    if status.last_group:
+        lines.append(
+            f"last round: group of {len(status.last_group)}, coverage {status.last_coverage}, "
+            f"all-reduce {status.last_allreduce_s} s, repairs {status.repairs}"
+        )
+    lines += [
+        f"snapshot {m.snapshot_id} {m.kind} outer {m.outer_step} inner {m.inner_step} {m.size_bytes} bytes"
+        for m in status.snapshots
+    ]
+    return "\n".join(lines)
+
+
+def ledger_check_command(dirs: list[Path], as_json: bool) -> int:
+    """`swarmnode ledger check`: one line per node, then one per violation across them (`cross_check`),
+    or JSON; exit 1 on any violation, 2 for a directory without a ledger."""
+    replayed = check_dirs(dirs)  # ValueError for a directory without a ledger: exit 2
+    nodes = [{k: v for k, v in node.items() if k != "entries"} for node in replayed]
+    if any(node["violations"] for node in nodes):  # a malformed ledger: its chain is not evidence
+        across = []
+    else:
+        across = cross_check({node["node_id"]: node["entries"] for node in replayed})
+    ok = not across and not any(node["violations"] for node in nodes)
+    if as_json:
+        print(json.dumps({"ok": ok, "nodes": nodes, "across_nodes": across}, indent=2))
+        return 0 if ok else 1
+    for node in nodes:
+        head = f"{node['dir']}: node {node['node_id'][:12]}"
+        if node["violations"]:
+            print(f"{head}: {len(node['violations'])} violation(s): " + "; ".join(node["violations"]))
+        else:
+            print(f"{head}: ok ({node['rounds']} rounds in the chain, {node['retrained']} trained again)")
+    for violation in across:
+        print(f"across nodes: {violation}")
+    return 0 if ok else 1

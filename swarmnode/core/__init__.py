@@ -1,0 +1,1 @@
+"""Layer 2: one node's training: the model, its data, DiLoCo, the training run, the ledger."""

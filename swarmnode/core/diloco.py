@@ -1,0 +1,268 @@
+"""DiLoCo inner/outer optimisation (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models", Algorithm 1).
+
+Each worker keeps the global parameters θ_g (flat fp32, on the CPU, where the network wants them) and its
+local model θ. The inner phase runs AdamW on θ. The pseudo-gradient is Δ = θ_g − θ; the swarm averages Δ
+(`rounds.SwarmRounds`), and the outer step is SGD with Nesterov momentum on θ_g with the average as its
+gradient; then θ ← θ_g. The inner optimizer's state stays with the worker across rounds.
+
+Averaging may cover only parts of Δ (a peer died): on an uncovered range nobody moves θ_g or its momentum,
+and the worker keeps its local progress there, so its next Δ still carries that work. The whole training
+state is exposed as a flat dict of named tensors plus JSON metadata, which is what snapshots store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmnode.core.data import Batch
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class DilocoConfig:
+    inner_lr: float = 1e-3
+    """AdamW learning rate of the inner phase (constant)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate (paper default)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (paper default)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    """Global gradient-norm clip of each inner step."""
+
+
+@dataclass(frozen=True)
+class AveragedDelta:
+    """The swarm's average of Δ. Only the `covered` ranges hold an average; elsewhere nothing is known."""
+
+    delta: torch.Tensor
+    covered: tuple[Range, ...]
+    group_size: int = 1
+    carried: tuple[Range, ...] = ()
+    """Covered ranges whose average left this node's own Δ out (it arrived late or broke): there the
+    node keeps its Δ as local progress, so its next Δ delivers that work (error feedback)."""
+
+    @property
+    def coverage(self) -> float:
+        return sum(b - a for a, b in self.covered) / max(self.delta.numel(), 1)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+class DilocoTrainer:
+    """Owns θ (the model), AdamW, θ_g and the outer momentum; all state is `state_tensors()`."""
+
+    def __init__(self, model: nn.Module, cfg: DilocoConfig, device: torch.device) -> None:
+        self.model, self.cfg, self.device = model, cfg, device
+        named = list(model.named_parameters())
+        self.params = [p for _, p in named]
+        self.slots = _slots(named)
+        total = sum(s.numel for s in self.slots)
+        self.global_flat = torch.empty(total, dtype=torch.float32)
+        self.outer_momentum = torch.zeros(total, dtype=torch.float32)
+        self._delta = torch.empty(total, dtype=torch.float32)
+        self._copy_local_to(self.global_flat)
+        self._global_digest: str | None = None
+        self.inner_opt = self._build_inner_optimizer(named)
+
+    def _build_inner_optimizer(self, named: list[tuple[str, nn.Parameter]]) -> torch.optim.AdamW:
+        decay = [p for _, p in named if p.dim() >= 2]
+        no_decay = [p for _, p in named if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.cfg.inner_lr,
+            betas=self.cfg.betas,
+            foreach=False,
+        )
+        # Eager state, so snapshots have the same tensors before and after the first step.
+        for p in self.params:
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+        return opt
+
+    # ----- the inner phase -----
+
+    def inner_step(self, batch: Batch) -> float:
+        """One AdamW step on θ; returns the batch's loss before the step."""
+        self.model.train()
+        inputs = batch.inputs.to(self.device, non_blocking=True)
+        targets = batch.targets.to(self.device, non_blocking=True)
+        loss = self.model.loss(inputs, targets)  # type: ignore[operator]
+        self.inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
+        self.inner_opt.step()
+        return float(loss.item())
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch], use_global: bool = True) -> float:
+        """Mean loss over fixed batches, of θ_g (default) or of the local θ."""
+        if not batches:
+            return float("nan")
+        saved = torch.empty_like(self.global_flat) if use_global else None
+        if saved is not None:
+            self._copy_local_to(saved)
+            self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
+        self.model.eval()
+        losses = [
+            float(self.model.loss(b.inputs.to(self.device), b.targets.to(self.device)))  # type: ignore
+            for b in batches
+        ]
+        if saved is not None:
+            self._copy_to_local(saved, ((0, saved.numel()),))
+        return sum(losses) / len(losses)
+
+    # ----- the outer step -----
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = θ_g − θ as a flat fp32 CPU tensor (a reused buffer: valid until the next call)."""
+        self._copy_local_to(self._delta)
+        torch.sub(self.global_flat, self._delta, out=self._delta)
+        return self._delta
+
+    @torch.no_grad()
+    def outer_step(self, averaged: AveragedDelta) -> None:
+        """Nesterov SGD on θ_g over the covered ranges (the exact update of torch.optim.SGD with
+        nesterov=True, dampening 0), then θ ← θ_g there — except on `carried` ranges, where
+        θ ← θ_g − Δ (Δ: this round's `pseudo_gradient()`), so the work the average left out stays in
+        the next Δ; uncovered ranges keep θ and θ_g as they are."""
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for a, b in averaged.covered:
+            grad, buf = averaged.delta[a:b], self.outer_momentum[a:b]
+            buf.mul_(mu).add_(grad)
+            self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
+        self._global_digest = None
+        if not averaged.carried:
+            self._copy_to_local(self.global_flat, averaged.covered)
+            return
+        target = self.global_flat.clone()
+        for a, b in averaged.carried:
+            target[a:b].sub_(self._delta[a:b])
+        self._copy_to_local(target, averaged.covered)
+
+    def global_changed(self) -> None:
+        """θ_g was modified in place from outside (tests): drop the cached digest."""
+        self._global_digest = None
+
+    def global_digest(self) -> str:
+        """sha256 of θ_g's bytes: nodes that averaged the same rounds show the same digest."""
+        if self._global_digest is None:  # θ_g changes only at outer steps and restores
+            self._global_digest = hashlib.sha256(self.global_flat.numpy().data).hexdigest()
+        return self._global_digest
+
+    # ----- flat <-> parameters -----
+
+    def _copy_local_to(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.slots, self.params, strict=True):
+            flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+
+    def _copy_to_local(self, flat: torch.Tensor, ranges: Sequence[Range]) -> None:
+        for slot, p in zip(self.slots, self.params, strict=True):
+            local = p.data.view(-1)
+            for a, b in ranges:
+                lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
+                if lo < hi:
+                    local[lo - slot.offset : hi - slot.offset].copy_(flat[lo:hi])
+
+    # ----- the training state as named tensors -----
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the training state, by stable name (live tensors: copy before keeping)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for slot, p in zip(self.slots, self.params, strict=True):
+            state = self.inner_opt.state[p]
+            tensors[f"model/{slot.name}"] = p.detach()
+            tensors[f"inner/{slot.name}/exp_avg"] = state["exp_avg"]
+            tensors[f"inner/{slot.name}/exp_avg_sq"] = state["exp_avg_sq"]
+        for prefix, flat in (("global", self.global_flat), ("outer_momentum", self.outer_momentum)):
+            for slot in self.slots:
+                tensors[f"{prefix}/{slot.name}"] = flat[slot.offset : slot.offset + slot.numel].view(
+                    slot.shape
+                )
+        tensors.update(rng_state_tensors())
+        return tensors
+
+    def state_metadata(self) -> dict[str, Any]:
+        step = self.inner_opt.state[self.params[0]]["step"]
+        return {
+            "adam_step": int(step.item()),
+            "inner_lr": self.cfg.inner_lr,
+            "outer_lr": self.cfg.outer_lr,
+            "outer_momentum": self.cfg.outer_momentum,
+            "weight_decay": self.cfg.weight_decay,
+            "betas": list(self.cfg.betas),
+            "grad_clip": self.cfg.grad_clip,
+        }
+
+    @torch.no_grad()
+    def reset_local_to_global(self) -> None:
+        """θ ← θ_g everywhere (a node adopting the swarm's state starts its round from it)."""
+        self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
+
+    @torch.no_grad()
+    def load_state(
+        self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], restore_rng: bool = True
+    ) -> None:
+        """Restore from tensors named as by `state_tensors()` (shapes already checked by the reader)."""
+        live = self.state_tensors()
+        missing = sorted(set(live) - set(tensors))
+        if missing:
+            raise ValueError(f"snapshot lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        for name, target in live.items():
+            if not name.startswith("rng/"):
+                target.copy_(tensors[name])
+        self._global_digest = None
+        step = float(metadata["adam_step"])
+        for p in self.params:
+            self.inner_opt.state[p]["step"] = torch.tensor(step)
+        if restore_rng:
+            restore_rng_state(tensors)
+
+
+def _slots(named: list[tuple[str, nn.Parameter]]) -> list[ParamSlot]:
+    slots, offset = [], 0
+    for name, p in named:
+        slots.append(ParamSlot(name, offset, p.numel(), tuple(p.shape)))
+        offset += p.numel()
+    return slots
+
+
+def rng_state_tensors() -> dict[str, torch.Tensor]:
+    tensors = {"rng/torch": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = state
+    return tensors
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    torch.random.set_rng_state(tensors["rng/torch"].to(torch.uint8))
+    if torch.cuda.is_available():
+        states = [
+            tensors[f"rng/cuda/{i}"] for i in range(torch.cuda.device_count()) if f"rng/cuda/{i}" in tensors
+        ]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

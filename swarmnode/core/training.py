@@ -1,0 +1,370 @@
+"""One node's training run: the DiLoCo trainer, its shard loader and its progress, as one state.
+
+Its owner is the training thread (`util/threads.py`): every method that changes the state runs there
+and says so (`assert_training_thread`). `TrainingRun` knows how to take an inner phase, prepare and
+apply an outer step, describe its whole state for a snapshot, and restore from one — its own (bitwise:
+model, both optimizers, global params, RNG, steps and cursor) or a peer's (the swarm's global state,
+with this node's own cursor). After each step and restore it publishes a `TrainingSample`, the
+immutable view the event loop and the status handler read (the global digest is hashed here, where
+θ_g changes, never on the loop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from swarmnode.core.data import Corpus, ShardLoader
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.model import build_model
+from swarmnode.core.presets import ModelConfig
+from swarmnode.snapshot.format import SnapshotError
+from swarmnode.snapshot.metadata import SnapshotMetadata
+from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
+from swarmnode.util import clock, faults
+from swarmnode.util.metrics import Metrics
+from swarmnode.util.threads import assert_training_thread
+
+logger = logging.getLogger(__name__)
+
+HELDOUT_BATCHES = 4
+
+
+@dataclass
+class Progress:
+    """Counters that travel in every snapshot's metadata."""
+
+    outer_step: int = 0
+    inner_step: int = 0  # inner steps taken in total
+    round_step: int = 0  # inner steps taken in the current round
+    round_tokens: int = 0  # tokens trained in the current round (the averaging weight)
+    tokens: int = 0
+    last_loss: float | None = None
+    heldout_loss: float | None = None
+    committed_cursor: dict[str, int] | None = None
+    """Where this node's batches in the global params end: the cursor after its last
+    applied round; the current round's batches, and those of skipped rounds, are local progress."""
+    swarm_cursors: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Every node's cursor as far as its batches are in θ_g: the lineage's record of what it holds."""
+    last_round: dict[str, Any] | None = None
+    """The last round's group, member weights, coverage, seconds and bytes sent."""
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """The training state as the event loop may see it: published by the training thread after every
+    inner step, outer step and restore, and replaced whole (never changed)."""
+
+    outer_step: int
+    inner_step: int
+    round_step: int
+    round_tokens: int
+    tokens: int
+    last_loss: float | None
+    heldout_loss: float | None
+    cursor: tuple[int, int, int]
+    """The loader's (shard, epoch, position)."""
+    committed_cursor: tuple[int, int, int]
+    global_digest: str
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """An inner phase's outcome, handed to the swarm for its outer step (see `TrainingRun.prepare_round`)."""
+
+    outer_step: int
+    start: dict[str, int]
+    """The committed cursor: where the round's range of batches starts."""
+    end: dict[str, int]
+    """The loader's cursor: where it ends."""
+    delta: torch.Tensor
+    """Δ = θ_g − θ, a buffer the trainer reuses: unchanged until the round's outer step is applied."""
+    weight: float
+    """Tokens trained in the round (and in rounds carried into it): the averaging weight."""
+    global_digest: str
+    in_swarm: bool
+    """Whether the lineage holds other nodes' work (a round without a group is then held)."""
+
+
+def _point(cursor: dict[str, int]) -> tuple[int, int, int]:
+    return cursor["shard"], cursor["epoch"], cursor["position"]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a snapshot says about who wrote it and which run it belongs to."""
+
+    run_id: str
+    node_id: str
+    run_digest: str
+    corpus_digest: str
+    model: str
+
+
+def run_digest(
+    model_name: str,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    num_shards: int,
+    seed: int,
+    diloco: DilocoConfig,
+    corpus_digest: str,
+) -> str:
+    """Hash of everything that must agree across a run's nodes for their outer steps to be one."""
+    agreed = {
+        "model": model_name,
+        "model_cfg": asdict(model_cfg),
+        "seq_len": seq_len,
+        "num_shards": num_shards,
+        "seed": seed,
+        "outer_lr": diloco.outer_lr,
+        "outer_momentum": diloco.outer_momentum,
+        "corpus": corpus_digest,
+        "format": 2,  # 2: averaged parts name the members they hold
+    }
+    return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
+
+
+class TrainingRun:
+    """The trainer + loader + progress of one node; all methods run on the training thread."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        diloco: DilocoConfig,
+        loader: ShardLoader,
+        corpus: Corpus,
+        identity: RunIdentity,
+        seed: int,
+        device: torch.device,
+        metrics: Metrics,
+    ) -> None:
+        self.identity, self.loader, self.metrics = identity, loader, metrics
+        self.model = build_model(model_cfg, seed, device)
+        # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
+        # of (seed, node) so that a restarted node continues it exactly.
+        torch.manual_seed(
+            int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
+        )
+        self.trainer = DilocoTrainer(self.model, diloco, device)
+        self.progress = Progress(committed_cursor=loader.state_dict())
+        self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
+        self.tokens_per_second = 0.0
+        self._rate_window: tuple[float, int] = (time.monotonic(), 0)
+        self.sample = self._sample()
+
+    def publish(self) -> None:
+        """Replace the published sample with the state as it is now (on the training thread)."""
+        self.sample = self._sample()
+
+    def _sample(self) -> TrainingSample:
+        p = self.progress
+        assert p.committed_cursor is not None
+        return TrainingSample(
+            p.outer_step,
+            p.inner_step,
+            p.round_step,
+            p.round_tokens,
+            p.tokens,
+            p.last_loss,
+            p.heldout_loss,
+            _point(self.loader.state_dict()),
+            _point(p.committed_cursor),
+            self.trainer.global_digest(),
+            self.tokens_per_second,
+        )
+
+    # ----- training -----
+
+    def inner_phase(
+        self, max_steps: int, deadline: float | None, stop: threading.Event, after_step: Callable[[], None]
+    ) -> None:
+        """Inner steps until the round has `max_steps`, the deadline passes, or `stop` is set."""
+        assert_training_thread("an inner phase")
+        p = self.progress
+        while p.round_step < max_steps and not stop.is_set():
+            if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
+                break
+            batch = self.loader.next_batch()
+            loss = self.trainer.inner_step(batch)
+            p.inner_step += 1
+            p.round_step += 1
+            p.round_tokens += batch.num_tokens
+            p.tokens += batch.num_tokens
+            p.last_loss = loss
+            self._count_step(batch.num_tokens, loss)
+            self.publish()
+            faults.hit("inner_step", p.inner_step)
+            after_step()
+
+    def _count_step(self, tokens: int, loss: float) -> None:
+        m = self.metrics
+        m.inner_steps.inc()
+        m.tokens.inc(tokens)
+        m.loss.set(loss)
+        started, counted = self._rate_window
+        counted += tokens
+        elapsed = time.monotonic() - started
+        if elapsed >= 2.0:
+            self.tokens_per_second = counted / elapsed
+            m.tokens_per_second.set(self.tokens_per_second)
+            started, counted = time.monotonic(), 0
+        self._rate_window = (started, counted)
+
+    def prepare_round(self) -> RoundStart:
+        """The round's Δ, range and weight for the swarm's outer step (Δ stays valid until `apply_outer`)."""
+        assert_training_thread("preparing an outer step")
+        p = self.progress
+        assert p.committed_cursor is not None
+        in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
+        delta = self.trainer.pseudo_gradient()
+        return RoundStart(
+            p.outer_step,
+            dict(p.committed_cursor),
+            self.loader.state_dict(),
+            delta,
+            float(p.round_tokens),
+            self.trainer.global_digest(),
+            in_swarm,
+        )
+
+    def apply_outer(
+        self,
+        averaged: AveragedDelta,
+        round_cursors: dict[str, dict[str, int]],
+        round_info: dict[str, Any] | None = None,
+    ) -> str:
+        """The outer step, then a new round; the held-out loss of the new global params is measured.
+        A step that applied nothing (coverage below --min-coverage), or whose average left this node's
+        own Δ out of a part (`averaged.carried`), leaves the round's work as local progress: its tokens
+        weigh in the next Δ and the committed cursor stays where it was. `round_cursors` are the
+        cursors of the members whose batches the step holds. Returns the new global digest (hashed
+        here, off the event loop)."""
+        assert_training_thread("an outer step")
+        self.trainer.outer_step(averaged)
+        p = self.progress
+        p.outer_step += 1
+        p.round_step = 0
+        if averaged.covered:
+            p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
+        if averaged.covered and not averaged.carried:
+            p.round_tokens = 0
+            p.committed_cursor = self.loader.state_dict()
+        p.last_round = round_info
+        p.heldout_loss = self.trainer.evaluate(self.heldout)
+        self.metrics.outer_steps.inc()
+        self.metrics.outer_step.set(p.outer_step)
+        self.metrics.heldout_loss.set(p.heldout_loss)
+        self.publish()
+        return self.sample.global_digest
+
+    def nudge_global(self) -> str:
+        """Test-only (the `global_params` fault): move θ_g a little, so this node goes astray."""
+        assert_training_thread("a test nudge of the global params")
+        self.trainer.global_flat[:16] += 1e-3
+        self.trainer.global_changed()
+        self.publish()
+        return self.sample.global_digest
+
+    # ----- the state as a snapshot -----
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.trainer.state_tensors()
+
+    def state_metadata(self) -> dict[str, Any]:
+        ident, p = self.identity, self.progress
+        return {
+            "run_id": ident.run_id,
+            "node_id": ident.node_id,
+            "run_digest": ident.run_digest,
+            "corpus_digest": ident.corpus_digest,
+            "model": ident.model,
+            "outer_step": p.outer_step,
+            "inner_step": p.inner_step,
+            "round_step": p.round_step,
+            "round_tokens": p.round_tokens,
+            "tokens": p.tokens,
+            "last_loss": p.last_loss,
+            "heldout_loss": p.heldout_loss,
+            "cursor": self.loader.state_dict(),
+            "committed_cursor": p.committed_cursor,
+            "swarm_cursors": p.swarm_cursors,
+            "last_round": p.last_round,
+            "global_digest": self.trainer.global_digest(),
+            "optimizer": self.trainer.state_metadata(),
+            "created_at": clock.now(),
+        }
+
+    def template(self) -> TensorTemplate:
+        """name -> (dtype, shape) of every tensor a snapshot of this run must hold."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self.state_tensors().items()}
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+
+    def restore_own(self, snapshot: LoadedSnapshot, meta: SnapshotMetadata) -> None:
+        """Continue exactly where this node's own snapshot left off (bitwise on CPU). `meta` is the
+        snapshot's validated metadata; SnapshotError (nothing changed) if its cursors are not this
+        loader's."""
+        assert_training_thread("a restore")
+        self._check_cursor(meta.cursor)
+        self._check_cursor(meta.committed_cursor)
+        self.trainer.load_state(snapshot.tensors, dict(meta.optimizer))
+        self.loader.load_state_dict(meta.cursor)
+        self._restore_progress(meta, keep_round=True)
+        self.publish()
+
+    def restore_from_peer(
+        self,
+        snapshot: LoadedSnapshot,
+        meta: SnapshotMetadata,
+        cursor: dict[str, int] | None,
+        own_steps: tuple[int, int],
+    ) -> None:
+        """Adopt the swarm's state from a peer's snapshot: global params, outer momentum and the inner
+        optimizer's moments (a warm start); the local model restarts the round from the global params,
+        the RNG stays this node's own, and the data position is this node's `cursor` (None: afresh)."""
+        assert_training_thread("a restore from a peer")
+        if cursor is not None:
+            self._check_cursor(cursor)
+        self.trainer.load_state(snapshot.tensors, dict(meta.optimizer), restore_rng=False)
+        self.trainer.reset_local_to_global()
+        if cursor is not None:
+            self.loader.load_state_dict(cursor)
+        self._restore_progress(meta, keep_round=False)
+        self.progress.inner_step, self.progress.tokens = own_steps
+        self.publish()
+
+    def resume_cursor(self, cursor: dict[str, int], steps: tuple[int, int]) -> None:
+        """A fresh start that keeps this node's place in its shard: its batches before `cursor` are in
+        no state that survives, so that is where its first round begins (and what it has committed)."""
+        assert_training_thread("resuming a cursor")
+        self.loader.load_state_dict(cursor)
+        self.progress.committed_cursor = self.loader.state_dict()
+        self.progress.inner_step, self.progress.tokens = steps
+        self.publish()
+
+    def _check_cursor(self, cursor: dict[str, int]) -> None:
+        try:
+            self.loader.check_state_dict(cursor)
+        except ValueError as exc:
+            raise SnapshotError(f"snapshot cursor does not fit this node: {exc}") from None
+
+    def _restore_progress(self, meta: SnapshotMetadata, keep_round: bool) -> None:
+        p = self.progress
+        p.outer_step, p.inner_step, p.tokens = meta.outer_step, meta.inner_step, meta.tokens
+        p.last_loss, p.heldout_loss = meta.last_loss, meta.heldout_loss
+        p.round_step = meta.round_step if keep_round else 0
+        p.round_tokens = meta.round_tokens if keep_round else 0
+        p.swarm_cursors = {node: dict(cursor) for node, cursor in meta.swarm_cursors.items()}
+        p.committed_cursor = dict(meta.committed_cursor) if keep_round else self.loader.state_dict()
+        self.metrics.outer_step.set(p.outer_step)

@@ -1,0 +1,355 @@
+"""Who may talk to a node: optional TLS for gRPC, client certificates, and a swarm token on every RPC.
+
+- `--swarm-token`: every RPC must carry it (metadata `x-swarmnode-token`); a call without it, or with
+  another, ends UNAUTHENTICATED before any handler runs. It is compared in constant time and never
+  logged, echoed or exported. It also namespaces the run's DHT keys (`dht_namespace`), so a node without
+  it cannot even find the swarm's records.
+- `--tls-cert/--tls-key`: the node serves gRPC over TLS with that certificate, and uses it as a client.
+- `--tls-ca`: the CA that signs the swarm's certificates. Clients verify a node's certificate against
+  it (certificates need the advertised host, name or IP, among their subject alternative names), and a
+  node requires every caller to present a certificate it signed. gRPC Python can only require client
+  certificates inside the TLS handshake, where a refusal reaches the caller as UNAVAILABLE; so callers
+  prove their certificate per call instead: the DER certificate plus a signature, with its key, over
+  the call's method and time (`x-swarmnode-cert-bin`, `x-swarmnode-proof-bin`, `x-swarmnode-time`).
+  A call without a valid proof ends UNAUTHENTICATED. Over TLS nobody but the server sees a proof, and
+  it names one method within a few minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import functools
+import hashlib
+import hmac
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+TOKEN_HEADER = "x-swarmnode-token"
+CERT_HEADER = "x-swarmnode-cert-bin"
+PROOF_HEADER = "x-swarmnode-proof-bin"
+TIME_HEADER = "x-swarmnode-time"
+PROOF_WINDOW_S = 300.0
+MAX_REMEMBERED_CERTIFICATES = 1024
+_REFUSAL = "this swarm requires credentials the call did not carry"
+
+
+@dataclass(frozen=True)
+class Security:
+    """A node's transport security; the default is none (plain gRPC, no token)."""
+
+    token: str | None = field(default=None, repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
+    tls_key: bytes | None = field(default=None, repr=False)
+    tls_ca: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_files(cls, token: str | None, cert: Path | None, key: Path | None, ca: Path | None) -> Security:
+        """Read the PEM files; ValueError naming the flag when one cannot be read or parsed."""
+        security = cls(token, _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca"))
+        _ = security._client_identity  # parsed now: a bad certificate or key fails at start-up
+        return security
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None or self.tls_ca is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        # Client certificates are checked per call by `ServerGuard` (see the module docstring).
+        return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.tls_ca, private_key=self.tls_key, certificate_chain=self.tls_cert
+        )
+
+    def call_metadata(self, method: str) -> list[tuple[str, str | bytes]]:
+        """What an outgoing call to `method` carries: the token and, with a certificate, its proof."""
+        metadata: list[tuple[str, str | bytes]] = [(TOKEN_HEADER, self.token)] if self.token else []
+        if self._client_identity is not None:
+            cert_der, key = self._client_identity
+            stamp = f"{time.time():.3f}"
+            metadata += [
+                (CERT_HEADER, cert_der),
+                (PROOF_HEADER, _sign(key, f"{stamp}|{method}".encode())),
+                (TIME_HEADER, stamp),
+            ]
+        return metadata
+
+    @functools.cached_property
+    def _client_identity(self) -> tuple[bytes, Any] | None:
+        """The DER certificate and the private key that sign each call's proof, parsed once."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        try:
+            cert = x509.load_pem_x509_certificate(self.tls_cert)
+        except ValueError as exc:
+            raise ValueError(f"--tls-cert: not a PEM certificate: {exc}") from None
+        try:
+            key = serialization.load_pem_private_key(self.tls_key, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise ValueError(f"--tls-key: not an unencrypted PEM private key: {exc}") from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey):
+            raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+        return cert.public_bytes(serialization.Encoding.DER), key
+
+    def dht_namespace(self, run_id: str) -> str:
+        """The run's name in DHT keys: with a token, one that only token holders can compute."""
+        if not self.token:
+            return run_id
+        tag = hmac.new(self.token.encode(), run_id.encode(), hashlib.sha256).hexdigest()[:16]
+        return f"{run_id}.{tag}"
+
+    def dht_datagram_key(self) -> bytes | None:
+        """The key that tags every DHT datagram of a token swarm (`swarmnode.net.dht`); None without a token.
+
+        HMAC-SHA256 of a fixed label under the token: a run id cannot be that label (it has no '/'), so
+        the key is none of the `dht_namespace` tags, and it reveals nothing about the token."""
+        if not self.token:
+            return None
+        return hmac.new(self.token.encode(), b"swarmnode/dht-datagram-key/v1", hashlib.sha256).digest()
+
+
+def _read(path: Path | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc.strerror}") from None
+
+
+def _sign(key: Any, message: bytes) -> bytes:
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return key.sign(message, ec.ECDSA(hashes.SHA256()))
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(message, padding.PKCS1v15(), hashes.SHA256())
+    return key.sign(message)  # Ed25519 (the key type is checked when it is parsed)
+
+
+def _verify(public_key: Any, signature: bytes, message: bytes) -> None:
+    if isinstance(public_key, ec.EllipticCurvePublicKey):
+        public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+    elif isinstance(public_key, rsa.RSAPublicKey):
+        public_key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+    elif isinstance(public_key, ed25519.Ed25519PublicKey):
+        public_key.verify(signature, message)
+    else:
+        raise InvalidSignature("unsupported key type")
+
+
+class CertificateCheck:
+    """Verifies a caller's per-call certificate proof against the swarm's CA. A certificate's CA
+    signature is checked once (the swarm's few certificates are remembered); its validity period and
+    the call's proof, every call."""
+
+    def __init__(self, ca_pem: bytes) -> None:
+        self._cas = x509.load_pem_x509_certificates(ca_pem)
+        self._issued: dict[bytes, x509.Certificate] = {}  # DER -> certificate the CA signed
+
+    def verify(self, metadata: dict[str, Any], method: str) -> bool:
+        try:
+            cert = self._signed_by_ca(metadata[CERT_HEADER])
+            stamp = metadata[TIME_HEADER]
+            now = datetime.datetime.now(datetime.UTC)
+            if (
+                cert is None
+                or abs(time.time() - float(stamp)) > PROOF_WINDOW_S
+                or not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
+            ):
+                return False
+            _verify(cert.public_key(), metadata[PROOF_HEADER], f"{stamp}|{method}".encode())
+        except (KeyError, ValueError, TypeError, InvalidSignature):
+            return False
+        return True
+
+    def _signed_by_ca(self, der: bytes) -> x509.Certificate | None:
+        cert = self._issued.get(der)
+        if cert is None:
+            cert = x509.load_der_x509_certificate(der)
+            if not self._issued_by_ca(cert):
+                return None
+            if len(self._issued) >= MAX_REMEMBERED_CERTIFICATES:
+                self._issued.pop(next(iter(self._issued)))
+            self._issued[der] = cert
+        return cert
+
+    def _issued_by_ca(self, cert: x509.Certificate) -> bool:
+        for ca in self._cas:
+            try:
+                cert.verify_directly_issued_by(ca)
+                return True
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+        return False
+
+
+class _Credentials:
+    """Adds the swarm token and the certificate proof to an outgoing call."""
+
+    def __init__(self, security: Security) -> None:
+        self._security = security
+
+    def _with_credentials(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._security.call_metadata(method))
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+class _UnaryUnaryCredentials(_Credentials, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_credentials(details), request)
+
+
+class _UnaryStreamCredentials(_Credentials, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_credentials(details), request)
+
+
+class _StreamUnaryCredentials(_Credentials, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_credentials(details), request_iterator)
+
+
+class _StreamStreamCredentials(_Credentials, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_credentials(details), request_iterator)
+
+
+def credential_interceptors(security: Security) -> list[Any]:
+    """The client interceptors that put `security`'s credentials on every call: one per call kind,
+    since grpc.aio files an interceptor under the first kind it implements only (one that implements
+    all four would see unary-unary calls alone: streams would go out without the token); none when
+    there is nothing to add."""
+    if not security.token and security._client_identity is None:
+        return []
+    kinds = (
+        _UnaryUnaryCredentials,
+        _UnaryStreamCredentials,
+        _StreamUnaryCredentials,
+        _StreamStreamCredentials,
+    )
+    return [kind(security) for kind in kinds]
+
+
+class ServerGuard(grpc.aio.ServerInterceptor):
+    """Runs before every handler: a call without the swarm token (or, with a CA, without a valid
+    certificate proof) ends UNAUTHENTICATED, and `on_reject` counts it; a request message that does not
+    decode ends INVALID_ARGUMENT (where gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, security: Security, on_reject: Callable[[str], None] | None = None) -> None:
+        self._token = security.token.encode() if security.token else None
+        self._certificates = CertificateCheck(security.tls_ca) if security.tls_ca is not None else None
+        self._on_reject = on_reject
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        admitted = self._admits(details)
+        if not admitted and self._on_reject is not None:
+            self._on_reject("unauthenticated")
+        return _guarded(handler, admitted)
+
+    def _admits(self, details: grpc.HandlerCallDetails) -> bool:
+        metadata = dict(details.invocation_metadata or ())
+        if self._token is not None:
+            given = metadata.get(TOKEN_HEADER)
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self._token):
+                return False
+        return self._certificates is None or self._certificates.verify(metadata, details.method)
+
+
+UNDECODABLE = object()
+"""What a guarded handler gets for a request message that did not decode: a unary call ends
+INVALID_ARGUMENT before the handler runs; a streaming handler reads it (`context.read()`) and must
+refuse it itself, as the averaging reducer does."""
+
+_KINDS = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _guarded(handler: Any, admitted: bool) -> Any:
+    """The same kind of handler, behind the admission and decoding checks."""
+    for kind, make in _KINDS.items():
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            wrapped = _wrap(behaviour, admitted, kind.startswith("stream"), kind.endswith("stream"))
+            return make(
+                wrapped,
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:  # noqa: BLE001 - any decoding failure is the caller's malformed message
+            return UNDECODABLE
+
+    return decode
+
+
+async def _prepare(request: Any, context: Any, admitted: bool, streaming: bool) -> Any:
+    if not admitted:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+    if not streaming and request is UNDECODABLE:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not decode")
+    return request
+
+
+def _wrap(
+    behaviour: Callable[..., Any], admitted: bool, request_streaming: bool, response_streaming: bool
+) -> Callable[..., Any]:
+    if not response_streaming:
+
+        async def unary(request: Any, context: Any) -> Any:
+            return await behaviour(await _prepare(request, context, admitted, request_streaming), context)
+
+        return unary
+
+    async def streaming(request: Any, context: Any) -> None:
+        # It writes a generator's responses itself (gRPC's reader/writer API), as a handler that writes
+        # through the context does: a write into a call whose peer cancelled it fails (InternalError)
+        # before gRPC has seen the cancellation, and gRPC logs a failure of its own write (after a
+        # `yield`) as an ERROR with a traceback. A cancelled call is routine, so it ends as one (gRPC
+        # logs that at debug); the generator is closed at once, so its `finally` frees what it holds.
+        result = behaviour(await _prepare(request, context, admitted, request_streaming), context)
+        try:
+            if inspect.isasyncgen(result):
+                async with contextlib.aclosing(result) as responses:
+                    async for item in responses:
+                        await context.write(item)
+            else:
+                await result
+        except grpc.aio.InternalError:  # a batch (message, metadata, status) the ended call refused
+            raise asyncio.CancelledError from None
+
+    return streaming

@@ -1,0 +1,455 @@
+"""The daemon: builds a node's parts, starts its services, then runs rounds until told to stop.
+
+Who owns what: the training thread (`util/threads.py`) runs every inner step, outer step, restore and
+staging copy and publishes an immutable `TrainingSample` after each; the event loop runs gRPC, the DHT,
+matchmaking, the all-reduce transport and the status, and reads only that sample; the snapshot writer
+compresses and writes what the training thread handed it. One round's outcome (`RoundResult`) is what
+the next catch-up decides on. SIGTERM/SIGINT end the inner phase after the current step, write a final
+snapshot and leave cleanly. The pieces it runs: services.py (metrics, gRPC, DHT, node.json, status),
+swarm/joining.py (the restore at start), swarm/membership.py (announcements, expected peers, repairs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from swarmnode.core.data import ShardLoader, shard_for_node
+from swarmnode.core.diloco import DilocoConfig
+from swarmnode.core.ledger import Ledger, RoundStatus
+from swarmnode.core.model import configure_determinism, count_parameters
+from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
+from swarmnode.net import rpc
+from swarmnode.net.identity import Identity
+from swarmnode.net.security import Security
+from swarmnode.node.config import NodeConfig
+from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
+from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
+from swarmnode.node.startup import lock_data_dir, preflight
+from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
+from swarmnode.snapshot.format import SnapshotInfo
+from swarmnode.swarm.joining import peer_fetcher, restore_at_start
+from swarmnode.swarm.membership import DuplicateIdentity, Membership
+from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
+from swarmnode.swarm.rounds import RoundResult
+from swarmnode.util import clock, faults
+from swarmnode.util.metrics import Metrics
+from swarmnode.util.threads import TrainingThread
+
+logger = logging.getLogger(__name__)
+
+REJOIN_POLL_S = 0.25
+"""How often a repaired node checks whether the swarm closed the round it rejoined."""
+
+
+@dataclass(frozen=True)
+class NodeParts:
+    """A node before anything listens: everything that can fail on bad input (ConfigError: exit 2)."""
+
+    cfg: NodeConfig
+    identity: Identity
+    security: Security
+    dht_run: str
+    """The run's name in DHT keys (namespaced by the swarm token)."""
+    run: TrainingRun
+    checkpointer: SpeculativeCheckpointer
+    ledger: Ledger
+    metrics: Metrics
+    data_dir_lock: int
+    """The descriptor holding DATA_DIR/node.lock for the process's life."""
+
+
+def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
+    """The start-up checks, then the data dir's lock, then the pieces (ValueError: exit 2)."""
+    checked = preflight(cfg)
+    lock = lock_data_dir(cfg.data_dir)
+    identity = Identity.load_or_create(cfg.identity_path)
+    configure_determinism(checked.device, cfg.threads)
+    shard = cfg.shard if cfg.shard is not None else shard_for_node(identity.node_id, cfg.num_shards)
+    loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
+    diloco = DilocoConfig(inner_lr=cfg.inner_lr, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+    corpus_digest = checked.corpus.digest
+    digest = run_digest(
+        cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
+    )
+    metrics = metrics or Metrics()
+    run_identity = RunIdentity(cfg.run_id, identity.node_id_hex, digest, corpus_digest, cfg.model)
+    run = TrainingRun(
+        checked.model_cfg, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
+    )
+    checkpointer = SpeculativeCheckpointer(
+        CheckpointerConfig(
+            cfg.snapshot_dir, cfg.keep_hot, cfg.keep_cold, cfg.layout, cfg.hot_level, cfg.cold_level
+        ),
+        metrics,
+        owner=SnapshotOwner(identity.node_id_hex, digest, run.template()),
+    )
+    metrics.track_snapshot_age(checkpointer.newest_created_at, clock.now)
+    parts = NodeParts(
+        cfg,
+        identity,
+        checked.security,
+        checked.security.dht_namespace(cfg.run_id),
+        run,
+        checkpointer,
+        Ledger(cfg.data_dir, identity.node_id_hex),
+        metrics,
+        lock,
+    )
+    _log_built(parts, checked.corpus.description, len(checked.corpus.tokens), shard)
+    return parts
+
+
+def _log_built(parts: NodeParts, corpus: str, tokens: int, shard: int) -> None:
+    cfg, run = parts.cfg, parts.run
+    logger.info(
+        "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, sha256 %s…), "
+        "shard %d/%d",
+        run.identity.node_id[:12],
+        cfg.run_id,
+        cfg.model,
+        count_parameters(run.model),
+        run.state_bytes() / 1e6,
+        run.trainer.device,
+        corpus,
+        tokens,
+        run.identity.corpus_digest[:12],
+        shard,
+        cfg.num_shards,
+    )
+
+
+async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -> int:
+    """Serve, recover, train rounds until done or stopped; returns the exit code."""
+    rpc.configure_client(parts.security)
+    board = StatusBoard(parts.cfg.run_id, parts.run.identity.node_id, time.time())
+    training = TrainingThread()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            services = await start_services(
+                stack,
+                parts.cfg,
+                parts.identity,
+                parts.security,
+                parts.checkpointer,
+                parts.metrics,
+                parts.run.identity.run_digest,
+                parts.dht_run,
+                lambda peers: board.status(parts.run.sample, peers),
+            )
+            write_node_file(parts.cfg, services.ports, parts.run)
+            return await Node(parts, services, board, training, progress).run()
+    finally:
+        training.close()
+
+
+def phase_before_round(last_round: RoundResult | None) -> Phase:
+    """What a node does from the end of one round to its next inner phase: after a missed round (or a
+    lost digest vote) the catch-up waits for the swarm's next step; after a round without a group it
+    holds its outer step until the next try; otherwise it trains."""
+    if last_round is not None and (last_round.missed or last_round.repair_from):
+        return Phase.WAITING_FOR_SWARM
+    if last_round is not None and last_round.held:
+        return Phase.HOLDING
+    return Phase.INNER
+
+
+class Node:
+    """One swarm member with its services running; `run()` returns the process exit code."""
+
+    def __init__(
+        self,
+        parts: NodeParts,
+        services: Services,
+        board: StatusBoard,
+        training: TrainingThread,
+        progress: ProgressReporter | None,
+    ) -> None:
+        cfg = parts.cfg
+        self.cfg, self.parts, self.run_state, self.metrics = cfg, parts, parts.run, parts.metrics
+        self.dht, self.rounds, self.board, self.training, self.progress = (
+            services.dht,
+            services.rounds,
+            board,
+            training,
+            progress,
+        )
+        self.node_id = parts.run.identity.node_id
+        self._loop = asyncio.get_running_loop()
+        self._stop = threading.Event()
+        self._pending_receipt: Receipt | None = None
+        self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
+        self._duplicate: DuplicateIdentity | None = None
+        self.membership = Membership(
+            services.dht,
+            parts.dht_run,
+            parts.run.identity,
+            services.address,
+            self._stop,
+            cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s,
+            uptime_s=lambda: time.time() - board.started_at,
+            on_duplicate=self._on_duplicate,
+        )
+        self.recovery = Recovery(
+            parts.run,
+            training,
+            peer_fetcher(parts.run, parts.metrics),
+            lambda reason: parts.metrics.fetch_failures.labels(reason).inc(),
+        )
+        parts.checkpointer.subscribe(self._on_snapshot_written)  # before any snapshot is written
+
+    # ----- running -----
+
+    async def run(self) -> int:
+        self._install_signal_handlers()
+        await self._wait_for_peers()
+        await self._recover()
+        reporter = asyncio.create_task(
+            report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
+        )
+        try:
+            await self._round_loop()
+        finally:
+            reporter.cancel()
+        await self.training.run(self._final_snapshot)
+        if self._pending_receipt is not None:  # stopped before a single inner step
+            self._write_receipt(self._pending_receipt)
+        await self.membership.flush()
+        self.board.phase = Phase.STOPPING
+        sample = self.run_state.sample
+        logger.info(
+            "node %s stopped at outer step %d, inner step %d",
+            self.node_id[:12],
+            sample.outer_step,
+            sample.inner_step,
+        )
+        if self._duplicate is not None:
+            raise self._duplicate
+        return 0
+
+    def _on_duplicate(self, duplicate: DuplicateIdentity) -> None:
+        """This running node is the younger of two with one identity: it stops, and exits 2 (the CLI
+        prints the reason)."""
+        self._duplicate = duplicate
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        if not self._stop.is_set():
+            logger.info("stop requested: finishing the current step")
+        self._stop.set()
+
+    def _install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self.request_stop)
+
+    def _finished(self) -> bool:
+        limit = self.cfg.max_outer_steps
+        return self._stop.is_set() or (limit is not None and self.run_state.sample.outer_step >= limit)
+
+    async def _round_loop(self) -> None:
+        last: RoundResult | None = None
+        while not self._finished():
+            self.board.phase = phase_before_round(last)
+            if await self._catch_up(last):
+                await self._rejoin_phase()
+            else:
+                if self.run_state.sample.round_step < self.cfg.inner_steps:
+                    self.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
+                await self.training.run(self._inner_phase)
+            if self._stop.is_set():
+                break
+            self.board.phase = Phase.OUTER
+            last = await self._outer_step_or_failure()
+
+    async def _outer_step_or_failure(self) -> RoundResult | None:
+        """The round's outer step; a round must never take the daemon down: a failure is logged with its
+        traceback, counted, and its work stays local progress (None: nothing to decide on next)."""
+        try:
+            return await self._outer_step()
+        except Exception:
+            logger.exception(
+                "round %d failed; its work stays local progress", self.run_state.sample.outer_step
+            )
+            self.metrics.round_failures.labels("error").inc()
+            if self._open_round is not None:  # the pending range is covered again by the next round
+                await asyncio.to_thread(self.parts.ledger.settle, self._open_round, RoundStatus.HELD, 1, None)
+                self._open_round = None
+            return None
+
+    def _inner_phase(self, stop: threading.Event | None = None) -> None:
+        deadline = time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
+        self.run_state.inner_phase(self.cfg.inner_steps, deadline, stop or self._stop, self._after_inner_step)
+
+    async def _rejoin_phase(self) -> None:
+        """A repaired node adopted a round the swarm is training: it trains that round only until the
+        members offer for it (their inner phase is over), then joins its outer step with the tokens
+        it did (none when they already offer), rather than trail a round behind forever."""
+        closing = threading.Event()
+        round_step = self.run_state.sample.outer_step
+
+        async def watch() -> None:
+            while not closing.is_set():
+                if self._stop.is_set() or await self.rounds.matchmaker.peer_offers(round_step):
+                    closing.set()
+                    return
+                await asyncio.sleep(REJOIN_POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.training.run(self._inner_phase, closing)
+        finally:
+            closing.set()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+    def _after_inner_step(self) -> None:
+        """On the training thread, after each inner step: the restart receipt, a hot snapshot when due."""
+        sample = self.run_state.sample
+        if self._pending_receipt is not None:
+            self._pending_receipt.first_loss_after = sample.last_loss
+            self._write_receipt(self._pending_receipt)
+            self._pending_receipt = None
+        if sample.inner_step % self.cfg.hot_every == 0:
+            self._snapshot("hot")
+
+    async def _outer_step(self) -> RoundResult:
+        run = self.run_state
+        start = await self.training.run(run.prepare_round)
+        await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end)
+        self._open_round = start.outer_step
+        expected = await self.membership.expected_peers(start.outer_step)
+        result = await self.rounds.average(
+            start.delta,
+            start.weight,
+            start.outer_step,
+            start.global_digest,
+            start.end,
+            expected,
+            in_swarm=start.in_swarm,
+        )
+        self.board.last_round = result
+        if result.averaged is None:
+            status = RoundStatus.HELD if result.held else RoundStatus.DROPPED
+            await asyncio.to_thread(
+                self.parts.ledger.settle, start.outer_step, status, len(result.group), None
+            )
+            self._open_round = None
+            return result
+        digest = await self.training.run(run.apply_outer, result.averaged, result.cursors, result.info())
+        if await faults.ahit("global_params", start.outer_step + 1) is not None:  # test-only: go astray
+            digest = await self.training.run(run.nudge_global)
+        await asyncio.to_thread(self._settle, start.outer_step, result, digest)
+        self._open_round = None
+        if (start.outer_step + 1) % self.cfg.cold_every == 0:
+            await self.training.run(self._snapshot, "cold")
+        return result
+
+    def _settle(self, outer_step: int, result: RoundResult, digest: str) -> None:
+        averaged = result.averaged
+        assert averaged is not None
+        kept = averaged.covered and not averaged.carried  # this node's batches all in the step
+        group = len(result.group) > 1
+        status = RoundStatus.APPLIED if kept and group else RoundStatus.SOLO if kept else RoundStatus.CARRIED
+        self.parts.ledger.settle(
+            outer_step,
+            status,
+            len(result.group),
+            digest,
+            group=result.group if group else (),
+            included=result.included,
+        )
+
+    # ----- catching up with the swarm -----
+
+    async def _catch_up(self, last: RoundResult | None) -> bool:
+        """Before an inner phase: if this node's global params went astray (a digest in the minority) or
+        its outer step is behind the swarm's, adopt an up-to-date member's snapshot (a repair)."""
+        outer = self.run_state.sample.outer_step
+        agreeing = {o.node_id for o in last.repair_from} if last is not None else set()
+        missed = last is not None and last.missed
+        ahead, why = await self.membership.repair_sources(outer, agreeing, missed)
+        if not ahead:
+            return False
+        self.board.phase = Phase.REPAIRING
+        behind = not agreeing  # a straggler must move ahead; a node astray may stay at its step
+        if await self.recovery.repair(ahead, outer + 1 if behind else outer) is None:
+            return False
+        self.rounds.reset_hold()
+        self.board.repairs += 1
+        sample = self.run_state.sample
+        shard, epoch, position = sample.cursor
+        await asyncio.to_thread(
+            self.parts.ledger.adopt,
+            {"shard": shard, "epoch": epoch, "position": position},
+            "repair",
+            sample.outer_step,
+        )
+        self.metrics.repairs.inc()
+        logger.warning(
+            "repaired: %s; now at outer step %d with the swarm's global params", why, sample.outer_step
+        )
+        await self.training.run(self._snapshot, "hot")
+        return True
+
+    def _snapshot(self, kind: str) -> bool:
+        run = self.run_state
+        return self.parts.checkpointer.snapshot(run.state_tensors(), run.state_metadata(), kind)
+
+    def _final_snapshot(self) -> None:
+        checkpointer, sample = self.parts.checkpointer, self.run_state.sample
+        checkpointer.wait_idle()
+        newest = checkpointer.find(None)
+        if newest is not None and (newest.outer_step, newest.inner_step) == (
+            sample.outer_step,
+            sample.inner_step,
+        ):
+            return
+        self._snapshot("hot")
+        checkpointer.wait_idle()
+
+    def _on_snapshot_written(self, info: SnapshotInfo) -> None:
+        """Called on the writer thread after each snapshot: announce it from the event loop."""
+        self._loop.call_soon_threadsafe(self.membership.announce, info)
+
+    # ----- recovery -----
+
+    async def _wait_for_peers(self) -> None:
+        wanted = self.cfg.wait_peers
+        if wanted and self.dht.peer_count() < wanted:
+            self.board.phase = Phase.WAITING_FOR_PEERS
+            logger.info("waiting for %d peers (--wait-peers) before training", wanted)
+        while self.dht.peer_count() < wanted and not self._stop.is_set():
+            await asyncio.sleep(0.2)
+
+    async def _recover(self) -> None:
+        self.board.phase = Phase.RECOVERING
+        receipt = await restore_at_start(
+            self.recovery, self.membership, self.dht, self.parts.checkpointer, bool(self.cfg.peers)
+        )
+        sample = self.run_state.sample
+        shard, epoch, position = sample.committed_cursor
+        committed = {"shard": shard, "epoch": epoch, "position": position}
+        await asyncio.to_thread(self.parts.ledger.adopt, committed, receipt.source, sample.outer_step)
+        self.metrics.recoveries.labels(receipt.source).inc()
+        self.metrics.recovery_seconds.set(receipt.seconds)
+        self._pending_receipt = receipt
+        if receipt.source == "peer":  # keep the adopted state on local disk at once
+            await self.training.run(self._snapshot, "hot")
+
+    def _write_receipt(self, receipt: Receipt) -> None:
+        append_receipt(self.cfg.data_dir, receipt)
+        logger.info("restart receipt: %s", receipt.to_json())
+
+    # ----- what it reports -----
+
+    def progress_sample(self) -> ProgressSample:
+        created = self.parts.checkpointer.newest_created_at()
+        return self.board.progress(
+            self.run_state.sample, self.cfg.inner_steps, self.dht.peer_count(), created
+        )

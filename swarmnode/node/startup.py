@@ -1,0 +1,137 @@
+"""What a node checks before anything listens, and its hold on its data dir.
+
+`preflight` runs every start-up check with no side effect (a real start and `--dry-run` both run it);
+each failure is one line naming the flag and the value (ConfigError: exit 2). `lock_data_dir` takes the
+data dir for the process's life: two processes never share one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmnode.core.data import Corpus, ShardLoader, load_corpus
+from swarmnode.core.model import select_device
+from swarmnode.core.presets import ModelConfig, preset
+from swarmnode.net.identity import Identity
+from swarmnode.net.security import Security
+from swarmnode.node.config import NodeConfig
+from swarmnode.util.errors import ConfigError
+
+LOCK_FILE = "node.lock"
+"""DATA_DIR/node.lock: the running node's pid, under an exclusive flock while it runs."""
+
+
+@dataclass(frozen=True)
+class StartChecks:
+    """What the start-up checks loaded on the way; `Node.build` goes on from it."""
+
+    corpus: Corpus
+    model_cfg: ModelConfig
+    device: torch.device
+    security: Security
+
+
+def preflight(cfg: NodeConfig) -> StartChecks:
+    """Every check a start makes before anything listens, with no side effect (`--dry-run` runs it
+    too): the data dir, the identity file, the listening host, the TLS files, the
+    device, the corpus, the preset's context and the shard loader. Raises ValueError (ConfigError or
+    the loader's own, each one line naming the flag and the value) for the first that fails."""
+    _check_writable_dir(cfg.data_dir, "--data-dir")
+    _check_writable_dir(cfg.snapshot_dir, "--data-dir", cfg.data_dir)
+    _check_identity_file(cfg)
+    _check_bindable(cfg.host)
+    security = Security.from_files(cfg.swarm_token, cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    device = select_device(cfg.device)
+    try:
+        corpus = load_corpus(cfg.data)
+    except OSError as exc:
+        raise ConfigError(f"--data: cannot read it ({exc.strerror}), got {cfg.data!r}") from None
+    model_cfg = preset(cfg.model, corpus.vocab_size)
+    if cfg.seq_len > model_cfg.context:
+        raise ConfigError(
+            f"--seq-len: at most the {cfg.model} preset's context {model_cfg.context}, got {cfg.seq_len}"
+        )
+    # Every shard has the same length, so the node's own (not known before its key exists) builds too.
+    ShardLoader(corpus, cfg.shard or 0, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
+    return StartChecks(corpus, model_cfg, device, security)
+
+
+def _check_writable_dir(directory: Path, flag: str, value: Path | None = None) -> None:
+    """`directory` is one this process may write in, or may create (its nearest existing ancestor is
+    writable); probed with a nameless temporary file, so nothing is left behind. `value`: what the
+    flag gave, if not `directory` itself."""
+    value = value or directory
+    existing, missing = directory, False
+    try:
+        existing = directory.absolute()
+        while not existing.exists():
+            existing, missing = existing.parent, True
+        if not existing.is_dir():
+            raise ConfigError(f"{flag}: {str(existing)!r} is not a directory, got {str(value)!r}")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        where = repr(str(existing)) if missing or value != directory else "it"
+        raise ConfigError(f"{flag}: cannot write in {where} ({exc.strerror}), got {str(value)!r}") from None
+
+
+def _check_identity_file(cfg: NodeConfig) -> None:
+    """The key file is a readable key, or can be created (it is created only by a real start)."""
+    flag, path = ("--identity" if cfg.identity is not None else "--data-dir"), cfg.identity_path
+    if not path.exists():
+        _check_writable_dir(path.parent, flag, path)
+        return
+    try:
+        Identity.load_or_create(path)  # the file exists: this only reads it
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read the key ({exc.strerror}), got {str(path)!r}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}, got {str(path)!r}") from None
+
+
+def _resolve(flag: str, host: str, passive: bool = False) -> tuple[Any, ...]:
+    """The first address `host` resolves to (family, type, proto, canonname, sockaddr)."""
+    flags = socket.AI_PASSIVE if passive else 0
+    try:
+        return socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=flags)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"{flag}: cannot resolve it ({exc.strerror}), got {host!r}") from None
+    except UnicodeError:  # a label too long for IDNA
+        raise ConfigError(f"{flag}: not a valid host name, got {host!r}") from None
+
+
+def _check_bindable(host: str) -> None:
+    """--host is an address of this machine: a socket binds to it (port 0, closed at once)."""
+    family, kind, proto, _, address = _resolve("--host", host, passive=True)
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"--host: cannot listen on it ({exc.strerror}), got {host!r}") from None
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Takes DATA_DIR/node.lock for this process's life (an exclusive flock, which the kernel drops
+    when the process ends, however it ends) and writes the pid in it; returns the lock's descriptor,
+    to be kept open. ConfigError naming the holder's pid while another process holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"--data-dir: in use by another swarmnode process (pid {holder}), got {str(data_dir)!r}"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -1,0 +1,313 @@
+"""Butterfly all-reduce of DiLoCo pseudo-gradients over gRPC, with failure handling (the butterfly of
+Moshpit SGD and hivemind's AllReduceRunner; the wire contract is averaging.proto).
+
+The flat Δ (n values) of each member is cut into N = len(members) parts, part k = [k·n/N, (k+1)·n/N).
+Member k reduces part k: every other member streams its part k to it (`Exchange`, one call per pair),
+it averages the contributions that arrived complete, weighted by tokens (fp32 accumulation), and sends
+the average back on each call in the group's wire dtype (`wire.py`). Everyone, the reducer included,
+applies the same decoded image, so all members hold bit-identical averaged values.
+
+Failure semantics:
+- A reducer publishes its part only once every contribution it still expects is in and its own parts
+  went out, or at `COLLECT_SHARE` of the budget. A sender whose call broke, or whose node refused our
+  connection, is no longer expected. So a member that dies while sending leaves no result of its own
+  part behind: the survivors agree that its part is not averaged.
+- A contribution that did not arrive complete is left out of its part. Its sender still gets the
+  part's average if its call is open, so every member that hears from a reducer hears the same.
+- A part whose result did not arrive whole within the budget is not covered (zeros, and missing from
+  `covered`); nor is a part whose weights sum to 0. Nothing partial is ever applied.
+
+This module is the member side; the reducer side (`AveragingService`) is `reducer.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from swarmnode.core.diloco import AveragedDelta, Range
+from swarmnode.net import rpc
+from swarmnode.proto.v1 import averaging_pb2 as pb
+from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
+from swarmnode.swarm import codecs, wire
+from swarmnode.swarm.reducer import AveragingServicer, Round, average, settle
+from swarmnode.swarm.wire import EXCHANGE_METHOD, GroupSpec
+from swarmnode.util import faults
+
+logger = logging.getLogger(__name__)
+
+COLLECT_SHARE = 0.7
+"""Share of the budget a reducer waits for contributions; the rest is for its result to travel back."""
+_EOF: Any = grpc.aio.EOF
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    averaged: AveragedDelta
+    """The average over `covered` (zeros elsewhere), the same on every member that covers a part."""
+    bytes_sent: int
+    """Payload bytes this node sent: its parts and its results. A chunk counts once it is handed to
+    gRPC, not once its write returns: a member cancels its call as soon as it holds the whole result,
+    which can cancel a write on either side after its chunk went out."""
+    seconds: float
+    included: tuple[frozenset[int], ...]
+    """Per part: the members whose contributions were averaged into it (none: the part is not covered)."""
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        """Per part: how many members' contributions were averaged into it (0: not covered)."""
+        return tuple(len(members) for members in self.included)
+
+    @property
+    def delivered(self) -> frozenset[int]:
+        """The members whose contributions are in every part this node covers (none if it covers
+        none): only their batches of the round are wholly in the outer step."""
+        covered = [members for members in self.included if members]
+        return frozenset.intersection(*covered) if covered else frozenset()
+
+
+_Part = tuple[torch.Tensor, frozenset[int]]
+"""A part's averaged values and the members whose contributions they average."""
+
+
+async def _wait_until(event: asyncio.Event, when: float) -> None:
+    """Waits for the event until the loop time `when` at the latest."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout_at(when):
+            await event.wait()
+
+
+async def butterfly_allreduce(
+    servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+) -> AllReduceResult:
+    """Averages a flat fp32 CPU Δ with the group's other members, weighted by `weight` (e.g. tokens),
+    within `spec.timeout_s`; see the module notes for what is covered when peers fail. `delta` must
+    stay unchanged until this returns; a group of one returns it as it is. Never raises for a peer's
+    failure; ValueError for bad arguments."""
+    _check_call(servicer, spec, my_index, delta, weight)
+    if len(spec.members) == 1:
+        return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (frozenset({0}),))
+    return await _Butterfly(servicer, spec, my_index, delta, weight).run()
+
+
+def _check_call(
+    servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+) -> None:
+    if not 0 <= my_index < len(spec.members) or spec.members[my_index].node_id != servicer.node_id:
+        raise ValueError(f"node {servicer.node_id} is not member {my_index} of group {spec.group_id}")
+    if delta.dtype != torch.float32 or delta.dim() != 1 or not delta.is_contiguous() or delta.is_cuda:
+        raise ValueError("the pseudo-gradient must be a flat contiguous fp32 CPU tensor")
+    if not 0 <= weight <= wire.MAX_WEIGHT:
+        raise ValueError(f"weight must be in [0, {wire.MAX_WEIGHT:g}], got {weight}")
+
+
+class _Butterfly:
+    """One member's side of one all-reduce: sends its parts, reduces its own, gathers the results."""
+
+    def __init__(
+        self, servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+    ) -> None:
+        self.servicer, self.spec, self.me, self.delta, self.weight = servicer, spec, my_index, delta, weight
+        self.peers = [k for k in range(len(spec.members)) if k != my_index]
+        now = asyncio.get_running_loop().time()
+        self.deadline, self.collect_deadline = now + spec.timeout_s, now + COLLECT_SHARE * spec.timeout_s
+        self.images: dict[int, memoryview] = {}
+        self.parts: dict[int, _Part] = {}
+        """The parts whose average arrived whole."""
+        self.bytes_sent, self.parts_out = 0, 0
+        self.sends_over: set[int] = set()
+        self.sends_done = asyncio.Event()
+
+    async def run(self) -> AllReduceResult:
+        started = time.monotonic()
+        rnd = self.servicer.begin(self.spec, self.me, self.delta, self.weight)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            self.images = await asyncio.to_thread(self._encode_parts)
+            await faults.ahit("allreduce_send")  # before the first part
+            tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
+            tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
+            await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
+        finally:
+            await settle(*tasks)
+            self.servicer.end(rnd)
+        averaged = await asyncio.to_thread(self._assemble)
+        included = tuple(
+            self.parts[k][1] if k in self.parts else frozenset() for k in range(len(self.spec.members))
+        )
+        seconds = time.monotonic() - started
+        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, included)
+        logger.info(
+            "group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
+            *(self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members)),
+            *(seconds, result.bytes_sent),
+        )
+        return result
+
+    def _encode_parts(self) -> dict[int, memoryview]:
+        n = self.delta.numel()
+        return {
+            k: codecs.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
+            for k in self.peers
+        }
+
+    def _assemble(self) -> AveragedDelta:
+        n = self.delta.numel()
+        out = torch.zeros(n, dtype=torch.float32)
+        covered: list[Range] = []
+        carried: list[Range] = []
+        for k in sorted(self.parts):
+            values, members = self.parts[k]
+            lo, hi = self.spec.part_range(k, n)
+            out[lo:hi].copy_(values)
+            _extend(covered, lo, hi)
+            if self.me not in members:  # our own Δ is not in this average: keep it as local progress
+                _extend(carried, lo, hi)
+        return AveragedDelta(out, tuple(covered), len(self.spec.members), tuple(carried))
+
+    async def _reduce(self, rnd: Round) -> None:
+        """Reduces this node's part once every expected contribution is in and its own parts went
+        out (or at the collect deadline), publishes the result, and waits until it was delivered."""
+        await _wait_until(rnd.all_in, self.collect_deadline)
+        await _wait_until(self.sends_done, self.collect_deadline)
+        contributions = rnd.close()
+        averaged = await asyncio.to_thread(average, contributions, self.spec.wire_dtype, rnd.own.numel())
+        await faults.ahit("allreduce_reduce")
+        rnd.publish(averaged)
+        if averaged.values is not None:
+            self.parts[self.me] = (averaged.values, frozenset(averaged.included))
+        if averaged.contributors < len(self.spec.members):
+            logger.warning(
+                "group %s: part %d averages %d of %d members",
+                *(self.spec.group_id, self.me, averaged.contributors, len(self.spec.members)),
+            )
+        await rnd.idle.wait()
+
+    async def _exchange(self, k: int, rnd: Round) -> None:
+        """Sends part k to member k and takes back its average; a failure leaves part k uncovered."""
+        try:
+            async with rpc.open_channel(self.spec.members[k].address) as channel:
+                outcome = await self._exchange_on(channel, k)
+        finally:
+            self._send_over(k)
+        if isinstance(outcome, grpc.StatusCode):
+            if outcome == grpc.StatusCode.UNAVAILABLE:
+                rnd.give_up(k)  # its node is unreachable: no contribution will come from it either
+            logger.warning(
+                "group %s: part %d not averaged: member %d answered %s",
+                self.spec.group_id,
+                k,
+                k,
+                outcome.name,
+            )
+        elif outcome is not None:
+            self.parts[k] = outcome
+
+    async def _exchange_on(self, channel: grpc.aio.Channel, k: int) -> _Part | grpc.StatusCode | None:
+        """One call; another while member k does not know the group yet, until the collect deadline."""
+        for attempt in itertools.count():
+            call = channel.stream_stream(
+                EXCHANGE_METHOD,
+                request_serializer=rpc.serialize,
+                response_deserializer=pb.AveragedPart.FromString,
+            )()
+            writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
+            try:
+                return await self._read_result(call, k)
+            except grpc.aio.AioRpcError as exc:
+                late = asyncio.get_running_loop().time() > self.collect_deadline
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or late:
+                    return exc.code()
+            finally:
+                call.cancel()
+                await settle(writer)
+            await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
+        raise AssertionError("unreachable")
+
+    async def _write(self, call: Any, k: int) -> None:
+        header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
+        try:
+            await call.write(pb.Contribution(header=header))
+            # Stream only once the reducer admitted the header: writing into a call that it refused
+            # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
+            if tuple(await call.initial_metadata()) != wire.ADMITTED:
+                return
+            for message, size in wire.chunk_messages(self.images[k]):
+                self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
+                await call.write(message)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended; its reader reports why
+        self._send_over(k)
+        self.parts_out += 1
+        if self.parts_out < len(self.peers):
+            await faults.ahit("allreduce_send")  # before the next part, as if they went one at a time
+
+    def _send_over(self, k: int) -> None:
+        self.sends_over.add(k)
+        if len(self.sends_over) == len(self.peers):
+            self.sends_done.set()
+
+    async def _read_result(self, call: Any, k: int) -> _Part | None:
+        """Part k's average from its reducer; None if it is not averaged, cut short or malformed."""
+        lo, hi = self.spec.part_range(k, self.delta.numel())
+        first = await call.read()
+        if first is _EOF or not first.HasField("header"):
+            return None
+        h = first.header
+        included = _included(h.included, len(self.spec.members))
+        if not included or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:
+            return None
+        image = bytearray(codecs.encoded_size(self.spec.wire_dtype, hi - lo))
+        got = 0
+        while got < len(image):
+            msg = await call.read()
+            if msg is _EOF:
+                return None
+            try:
+                got += wire.take_chunk(msg, image, got)
+            except ValueError as exc:
+                logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
+                return None
+        values = await asyncio.to_thread(codecs.decode, image, self.spec.wire_dtype, hi - lo)
+        return values, included
+
+
+def _extend(ranges: list[Range], lo: int, hi: int) -> None:
+    """Appends [lo, hi) to sorted, disjoint `ranges`, merging it with the last one if they touch."""
+    if ranges and ranges[-1][1] == lo:
+        lo = ranges.pop()[0]
+    if lo < hi:
+        ranges.append((lo, hi))
+
+
+def _included(indices: Any, group_size: int) -> frozenset[int]:
+    """The members a result says it averages; none (an unusable result) unless they are distinct
+    indices of the group, ascending."""
+    members = list(indices)
+    if members != sorted(set(members)) or any(k >= group_size for k in members):
+        return frozenset()
+    return frozenset(members)
+
+
+async def propose_group(address: str, spec: GroupSpec, timeout_s: float) -> bool:
+    """Asks the member at HOST:PORT to join the group; False on refusal or any failure."""
+    try:
+        async with rpc.open_channel(address) as channel:
+            reply = await pb_grpc.AveragingServiceStub(channel).Propose(
+                wire.spec_to_pb(spec), timeout=timeout_s
+            )
+    except (grpc.aio.AioRpcError, ValueError) as exc:
+        logger.info("proposal of group %s to %s failed: %s", spec.group_id, address, exc)
+        return False
+    if not reply.accepted:
+        logger.info("%s declined group %s: %s", address, spec.group_id, reply.reason)
+    return bool(reply.accepted)

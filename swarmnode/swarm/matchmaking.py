@@ -1,0 +1,312 @@
+"""Forming a round's averaging group through the DHT (README "The swarm", Matchmaking).
+
+A node that finished its inner phase publishes an offer for round r under `swarmnode/<run>/round`:
+its address, a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params
+as of the round's start, its token weight and its data cursor. It then reads the key until its deadline. The
+leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
+freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
+to every member over gRPC, so all members agree on the group and its order. A member accepts the first
+proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
+grace period goes on alone for that round, and says so.
+
+Digests: the leader groups only the offers whose global digest is the one most offers hold (on a tie,
+the earliest-ranked side's). A node on the other side knows its global params went astray: it leaves
+the round and repairs itself from an agreeing member's snapshot before its next inner phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarmnode.net.dht import DHTEntry
+from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.util import clock
+from swarmnode.util.validate import is_sha256_hex, parse_count, parse_cursor
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.25
+PROPOSE_TIMEOUT_S = 3.0
+FROZEN_GRACE_S = 1.0
+CLOCK_SKEW_ALLOWANCE_S = 300.0
+"""Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
+expire by its clock) is still seen by the others."""
+
+
+def round_key(run_id: str) -> str:
+    """The run's matchmaking key: each node's current offer, tagged with the round (outer step) it
+    bids for; a new round's offer replaces the last (higher seq), so a node holds one key, not one
+    per round, and a long TTL costs no DHT quota."""
+    return f"swarmnode/{run_id}/round"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One node's bid to average in round `outer_step`."""
+
+    node_id: str
+    address: str
+    deadline: float  # unix seconds
+    run_digest: str
+    global_digest: str
+    weight: float
+    cursor: dict[str, int] | None
+    outer_step: int
+    frozen: bool = False  # set by a leader once it froze its group: late offers are too late
+
+    def to_value(self) -> dict[str, Any]:
+        value = {
+            "addr": self.address,
+            "dl": self.deadline,  # rounded to the millisecond when the offer is made
+            "run": self.run_digest,
+            "g": self.global_digest,
+            "w": self.weight,
+            "cur": self.cursor,
+            "o": self.outer_step,
+        }
+        if self.frozen:
+            value["fz"] = True
+        return value
+
+    @classmethod
+    def from_entry(cls, node_id: str, entry: DHTEntry) -> Offer | None:
+        """The offer in a peer's DHT value, or None when any field is malformed (a peer is never
+        trusted: every field is checked, so nothing can fail later when the group is built)."""
+        value = entry.value
+        try:
+            cursor = value.get("cur")
+            offer = cls(
+                node_id,
+                str(value["addr"]),
+                float(value["dl"]),
+                str(value["run"]),
+                str(value["g"]),
+                float(value["w"]),
+                None if cursor is None else parse_cursor(cursor),
+                parse_count(value["o"]),
+                value.get("fz") is True,
+            )
+            offer.member()  # validates the address, id, cursor and digest as the group spec will
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return None
+        return offer if math.isfinite(offer.deadline) and is_sha256_hex(offer.run_digest) else None
+
+    def member(self) -> Member:
+        return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What matchmaking decided: a group (possibly of one), or that this node must repair itself."""
+
+    group: GroupSpec | None  # None: alone this round
+    repair_from: tuple[Offer, ...] = ()  # non-empty: this node's global digest is in the minority
+    reason: str = ""
+    missed: bool = False  # the round's group formed without this node: the swarm is moving ahead
+
+
+class Matchmaker:
+    """Runs one node's matchmaking, round after round; also answers peers' proposals."""
+
+    def __init__(
+        self,
+        dht: Any,
+        node_id: str,
+        address: str,
+        run_id: str,
+        run_digest: str,
+        wire_dtype: str,
+        timeout_s: float,
+        allreduce_timeout_s: float,
+        propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
+    ) -> None:
+        self.dht, self.node_id, self.address = dht, node_id, address
+        self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
+        self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
+        self._open_round: int | None = None
+        self._proposal: asyncio.Future[GroupSpec] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
+
+    # ----- the proposal side (called by the averaging servicer) -----
+
+    async def on_proposal(self, spec: GroupSpec) -> bool:
+        """Accept the first proposal that includes this node for the round it is matchmaking in."""
+        future = self._proposal
+        if (
+            spec.round != self._open_round
+            or future is None
+            or future.done()
+            or spec.run_id != self.run_id
+            or not any(m.node_id == self.node_id for m in spec.members)
+        ):
+            return False
+        future.set_result(spec)
+        return True
+
+    # ----- the node's own matchmaking -----
+
+    async def form_group(
+        self,
+        outer_step: int,
+        weight: float,
+        global_digest: str,
+        cursor: dict[str, int] | None,
+        expected_peers: frozenset[str],
+    ) -> Outcome:
+        """Publish this node's offer for `outer_step` and settle the round's group."""
+        # Rounded as it travels, so that every node ranks this offer by the very same deadline.
+        deadline = round(clock.now() + self.timeout_s, 3)
+        own = Offer(
+            self.node_id, self.address, deadline, self.run_digest, global_digest, weight, cursor, outer_step
+        )
+        self._open_round = outer_step
+        self._proposal = asyncio.get_running_loop().create_future()
+        key = round_key(self.run_id)
+        try:
+            started = time.monotonic()
+            await self.dht.publish(key, own.to_value(), self._offer_ttl_s)
+            logger.debug(
+                "round %d: offer published in %.2f s; expecting %s",
+                outer_step,
+                time.monotonic() - started,
+                sorted(p[:8] for p in expected_peers),
+            )
+            return await self._settle(key, own, expected_peers)
+        finally:
+            self._open_round, self._proposal = None, None
+
+    async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
+        assert self._proposal is not None
+        offers = {own.node_id: own}
+        # Stop early once every peer this node expects has offered (none expected: wait the deadline).
+        while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
+            if self._proposal.done():
+                return Outcome(self._proposal.result())
+            offers.update(await self._read_offers(key, own.outer_step))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S)
+        if self._proposal.done():
+            return Outcome(self._proposal.result())
+        offers.update(await self._read_offers(key, own.outer_step))
+        return await self._decide(own, list(offers.values()))
+
+    async def peer_offers(self, outer_step: int) -> dict[str, Offer]:
+        """The peers' current offers for round `outer_step` (of this run's configuration)."""
+        return await self._read_offers(round_key(self.run_id), outer_step)
+
+    async def _read_offers(self, key: str, outer_step: int) -> dict[str, Offer]:
+        entries = await self.dht.get(key)
+        offers = {}
+        for node_id, entry in entries.items():
+            offer = Offer.from_entry(node_id, entry)
+            if offer is None or node_id == self.node_id:
+                continue
+            if offer.run_digest == self.run_digest and offer.outer_step == outer_step:
+                offers[node_id] = offer
+        return offers
+
+    async def _decide(self, own: Offer, offers: list[Offer]) -> Outcome:
+        logger.debug(
+            "round %d: deciding on %d offers: %s",
+            own.outer_step,
+            len(offers),
+            sorted(o.node_id[:8] for o in offers),
+        )
+        reference = swarm_digest(offers)
+        members = [o for o in offers if o.global_digest == reference]
+        if own.global_digest != reference:
+            return Outcome(None, repair_from=tuple(members), reason="global digest differs from the swarm's")
+        if len(members) == 1:
+            return Outcome(None, reason="no partner offered in time")
+        leader = min(members, key=_rank)
+        if leader.node_id == own.node_id:
+            return await self._lead(own, members)
+        return await self._follow(leader)
+
+    async def _lead(self, own: Offer, members: list[Offer]) -> Outcome:
+        assert self._proposal is not None
+        if self._proposal.done():  # another leader's proposal arrived first: follow it
+            return Outcome(self._proposal.result())
+        ordered = sorted(members, key=lambda o: o.node_id)
+        spec = GroupSpec(
+            self.run_id,
+            own.outer_step,
+            f"{own.outer_step}-{own.node_id[:16]}",
+            tuple(o.member() for o in ordered),
+            self.wire_dtype,
+            self.allreduce_timeout_s,
+        )
+        self._proposal.set_result(spec)  # from now on this node refuses other proposals
+        others = [o for o in ordered if o.node_id != own.node_id]
+        answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
+        self._mark_frozen(own)
+        refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
+        if refused:
+            logger.warning(
+                "round %d: %s refused or missed the proposal; their parts stay un-averaged",
+                own.outer_step,
+                ", ".join(refused),
+            )
+        return Outcome(spec)
+
+    def _mark_frozen(self, own: Offer) -> None:
+        """Tell late comers (in the background) that this round's group is closed, so that they stop
+        waiting for a proposal that will not come."""
+        frozen = dataclasses.replace(own, frozen=True)
+        task = asyncio.create_task(
+            self.dht.publish(round_key(self.run_id), frozen.to_value(), self._offer_ttl_s)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._published)
+
+    def _published(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("frozen-group mark not published: %s", task.exception())
+
+    async def _follow(self, leader: Offer) -> Outcome:
+        """Wait for the leader's proposal until its deadline plus a grace period, or until the leader
+        is seen to have frozen its group (or moved to a later round) without proposing to this node."""
+        assert self._proposal is not None
+        give_up = time.monotonic() + max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
+        key, closed = round_key(self.run_id), False
+        while time.monotonic() < give_up:
+            with contextlib.suppress(asyncio.TimeoutError):
+                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S))
+            entry = (await self.dht.get(key)).get(leader.node_id)
+            now = Offer.from_entry(leader.node_id, entry) if entry is not None else None
+            closed = now is not None and (
+                now.outer_step > leader.outer_step or (now.outer_step == leader.outer_step and now.frozen)
+            )
+            if closed:  # a proposal already sent is in flight: give it a moment
+                give_up = min(give_up, time.monotonic() + FROZEN_GRACE_S)
+        if self._proposal.done():
+            return Outcome(self._proposal.result())
+        if closed:
+            reason = f"leader {leader.node_id[:12]} closed the group without this node"
+            return Outcome(None, reason=reason, missed=True)
+        return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+
+
+def _rank(offer: Offer) -> tuple[float, str]:
+    """Leadership order: earliest deadline, then lowest node id."""
+    return offer.deadline, offer.node_id
+
+
+def swarm_digest(offers: Sequence[Offer]) -> str:
+    """The global digest the round treats as the swarm's: the one most offers hold; on a tie, the one
+    of the earliest-ranked offer among the tied, so that every node picks the same and a split heals."""
+    counts = Counter(o.global_digest for o in offers)
+    most = max(counts.values())
+    tied = [o for o in offers if counts[o.global_digest] == most]
+    return min(tied, key=_rank).global_digest

@@ -1,0 +1,360 @@
+"""The reducer side of the butterfly all-reduce (`averaging.py` has the algorithm and its failure
+semantics): `AveragingService`, which answers group proposals and averages the part of Δ this node
+reduces from the contributions other members stream to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from swarmnode.net import rpc
+from swarmnode.proto.v1 import averaging_pb2 as pb
+from swarmnode.swarm import codecs, wire
+from swarmnode.swarm.wire import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+HEADER_TIMEOUT_S = 10.0
+"""How long a new `Exchange` call may take to send its header."""
+MAX_KNOWN_GROUPS = 4
+"""Groups known here at once (proposed and not over); further proposals are declined."""
+_EOF: Any = grpc.aio.EOF
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """A reducer's result: its wire image and the image's decoded values (None: not averaged), and the
+    members (indices, ascending) whose contributions it averages."""
+
+    included: tuple[int, ...] = ()
+    image: memoryview | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def contributors(self) -> int:
+        return len(self.included)
+
+
+_NOT_AVERAGED = Averaged()
+Contribution = tuple[int, float, "torch.Tensor | bytearray"]
+"""(member index, token weight, values or their wire image)."""
+
+
+class _Refused(Exception):
+    """A request this node will not serve; ends the call with `code`."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+def _invalid(message: str) -> _Refused:
+    return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid", message)
+
+
+async def settle(*tasks: asyncio.Task[Any]) -> None:
+    """Cancels the tasks and waits for them to end; logs failures other than refusals (reported)."""
+    for task in tasks:
+        task.cancel()
+    for task, outcome in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+        if isinstance(outcome, Exception) and not isinstance(outcome, _Refused):
+            logger.error("averaging task %s failed", task.get_name(), exc_info=outcome)
+
+
+class Round:
+    """One group as this node's reducer sees it: the contributions to its part, and its result. Known
+    from a proposal (calls are then held until the local all-reduce begins, or until `expires_at`) or
+    from the local all-reduce itself."""
+
+    def __init__(self, spec: GroupSpec, my_index: int, expires_at: float) -> None:
+        self.spec, self.my_index, self.expires_at = spec, my_index, expires_at
+        self.started, self.all_in, self.idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.idle.set()
+        self.total, self.own_weight, self.own = 0, 0.0, torch.empty(0)
+        self.waiting = set(range(len(spec.members))) - {my_index}
+        """Senders that may still deliver a whole contribution."""
+        self.seen: set[int] = set()
+        self.open: set[int] = set()
+        self.contributions: dict[int, tuple[float, bytearray]] = {}
+        self.closed = False
+        self.result: asyncio.Future[Averaged] = asyncio.get_running_loop().create_future()
+        self.result_bytes = 0
+
+    @property
+    def part_len(self) -> int:
+        lo, hi = self.spec.part_range(self.my_index, self.total)
+        return hi - lo
+
+    def start(self, delta: torch.Tensor, weight: float) -> None:
+        self.total, self.own_weight = delta.numel(), weight
+        self.own = delta[slice(*self.spec.part_range(self.my_index, self.total))]
+        self.started.set()
+        self._check_all_in()
+
+    def attach(self, h: pb.ContributionHeader) -> int:
+        problem = wire.header_problem(h, self.spec, self.my_index)
+        if problem:
+            raise _invalid(f"group {self.spec.group_id}: {problem}")
+        if h.sender in self.seen:
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} called twice")
+        self.seen.add(h.sender)
+        self.open.add(h.sender)
+        self.idle.clear()
+        return int(h.sender)
+
+    def detach(self, sender: int) -> None:
+        self.open.discard(sender)
+        self.give_up(sender)
+        if not self.open:
+            self.idle.set()
+
+    def give_up(self, sender: int) -> None:
+        """Stops waiting for a sender unless its call is open (it may still deliver)."""
+        if sender not in self.open or sender in self.contributions:
+            self.waiting.discard(sender)
+            self._check_all_in()
+
+    def _check_all_in(self) -> None:
+        if self.started.is_set() and not self.waiting:
+            self.all_in.set()
+
+    def close(self) -> list[Contribution]:
+        """The whole contributions, its own included, in member order; any that completes later is
+        left out."""
+        self.closed = True
+        contributions: dict[int, tuple[float, torch.Tensor | bytearray]] = dict(self.contributions)
+        contributions[self.my_index] = (self.own_weight, self.own)
+        return [(k, *contributions[k]) for k in sorted(contributions)]
+
+    def publish(self, averaged: Averaged) -> None:
+        if not self.result.done():
+            self.result.set_result(averaged)
+
+    async def wait_started(self, h: pb.ContributionHeader) -> None:
+        """Holds a call until the local all-reduce begins, then checks the sizes it declared."""
+        try:
+            async with asyncio.timeout_at(self.expires_at):
+                await self.started.wait()
+        except TimeoutError:
+            raise _Refused(grpc.StatusCode.ABORTED, "expired", "the all-reduce never began here") from None
+        if h.total_elements != self.total or h.part_elements != self.part_len:
+            raise _invalid(f"sizes {h.total_elements}/{h.part_elements}, not {self.total}/{self.part_len}")
+
+    async def collect(self, context: Any, sender: int, weight: float) -> Averaged:
+        """Receives a sender's contribution, then waits for this part's result (a late sender gets
+        the result too: its reception is cut short)."""
+        receiving = asyncio.create_task(self._receive(context, sender, weight), name=f"receive-{sender}")
+        try:
+            await asyncio.wait((receiving, self.result), return_when=asyncio.FIRST_COMPLETED)
+            if receiving.done():
+                receiving.result()  # raises the refusal of a bad chunk
+            return await asyncio.shield(self.result)
+        finally:
+            await settle(receiving)
+
+    async def _receive(self, context: Any, sender: int, weight: float) -> None:
+        image = bytearray(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
+        got = 0
+        while got < len(image):
+            msg = await context.read()
+            if msg is _EOF:  # the call broke (or the sender gave up) before the whole part
+                self.open.discard(sender)
+                self.give_up(sender)
+                return
+            if not isinstance(msg, pb.Contribution):  # undecodable (security.UNDECODABLE)
+                raise _invalid("a contribution message does not decode")
+            try:
+                got += wire.take_chunk(msg, image, got)
+            except ValueError as exc:
+                raise _invalid(str(exc)) from None
+        if self.closed:
+            logger.info("group %s: member %d's part came after the reduction", self.spec.group_id, sender)
+            return
+        self.contributions[sender] = (weight, image)
+        self.give_up(sender)
+
+
+def average(contributions: list[Contribution], wire_dtype: str, n: int) -> Averaged:
+    """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the finite contributions of positive weight (so
+    equal weights give exactly (Δ₀ + Δ₁) / 2); then its wire image and the image's decoded values,
+    which is what every member applies, and the members it averages. Runs on a worker thread."""
+    kept: list[tuple[int, float, torch.Tensor]] = []
+    for index, weight, data in contributions:
+        if weight <= 0:
+            continue
+        values = data if isinstance(data, torch.Tensor) else codecs.decode(data, wire_dtype, n)
+        if bool(torch.isfinite(values).all()):
+            kept.append((index, weight, values))
+    if not kept:
+        return _NOT_AVERAGED
+    total = sum(weight for _, weight, _ in kept)
+    acc = torch.zeros(n, dtype=torch.float32)
+    for _, weight, values in kept:
+        acc.add_(values, alpha=weight / total)
+    image = codecs.encode(acc, wire_dtype)
+    return Averaged(tuple(index for index, _, _ in kept), image, codecs.decode(image, wire_dtype, n))
+
+
+class AveragingServicer:
+    """`AveragingService` of one node: answers proposals and reduces this node's parts. Register it
+    with `snapshot_server.start_server(..., extra_servicers=[servicer.register])`."""
+
+    def __init__(
+        self,
+        node_id: str,
+        on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
+        on_rejected: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
+        valid group that names it); `on_rejected(reason)` counts requests refused as bad or late
+        ("invalid", "duplicate", "expired", "over")."""
+        self.node_id = node_id
+        self._on_proposal, self._on_rejected = on_proposal, on_rejected
+        self._rounds: dict[str, Round] = {}
+        self._over: dict[str, None] = {}  # recently ended groups, oldest first
+
+    def register(self, server: grpc.aio.Server) -> None:
+        handlers = {
+            "Propose": grpc.unary_unary_rpc_method_handler(
+                self.Propose,
+                request_deserializer=pb.GroupProposal.FromString,
+                response_serializer=pb.ProposalReply.SerializeToString,
+            ),
+            "Exchange": grpc.stream_stream_rpc_method_handler(
+                self.Exchange,
+                request_deserializer=pb.Contribution.FromString,
+                response_serializer=rpc.serialize,
+            ),
+        }
+        name = pb.DESCRIPTOR.services_by_name["AveragingService"].full_name
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+
+    def expect(self, spec: GroupSpec) -> bool:
+        """Makes the group known here, so that calls for it which arrive before the local all-reduce
+        begins are held (for up to `spec.timeout_s`). False if too many groups are known or the group
+        id is taken; ValueError if this node is not a member."""
+        my_index = spec.index_of(self.node_id)
+        self._forget_expired()
+        known = self._rounds.get(spec.group_id)
+        if known is not None:
+            return known.spec == spec
+        if len(self._rounds) >= MAX_KNOWN_GROUPS or spec.group_id in self._over:
+            return False
+        self._rounds[spec.group_id] = Round(
+            spec, my_index, asyncio.get_running_loop().time() + spec.timeout_s
+        )
+        return True
+
+    def begin(self, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float) -> Round:
+        """Starts reducing this node's part of the group's all-reduce (the member side calls it, then
+        `end`); ValueError if the group already ran here or is known with another spec."""
+        self._forget_expired()
+        rnd = self._rounds.get(spec.group_id) or Round(spec, my_index, 0.0)
+        if rnd.spec != spec or rnd.started.is_set() or spec.group_id in self._over:
+            raise ValueError(f"group {spec.group_id} already ran here, or is known with another spec")
+        self._rounds[spec.group_id] = rnd
+        rnd.start(delta, weight)
+        return rnd
+
+    def end(self, rnd: Round) -> None:
+        """Ends a round that `begin` started: unanswered calls get no average, later ones are refused."""
+        rnd.publish(_NOT_AVERAGED)
+        self._rounds.pop(rnd.spec.group_id, None)
+        self._over[rnd.spec.group_id] = None
+        while len(self._over) > 64:
+            del self._over[next(iter(self._over))]
+
+    def _forget_expired(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for group_id, rnd in list(self._rounds.items()):
+            if not rnd.started.is_set() and rnd.expires_at < now:
+                del self._rounds[group_id]
+
+    async def Propose(self, request: pb.GroupProposal, context: Any) -> pb.ProposalReply:
+        try:
+            spec = wire.spec_from_pb(request)
+            spec.index_of(self.node_id)
+        except ValueError as exc:
+            self._reject("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not await self._ask(spec):
+            return pb.ProposalReply(accepted=False, reason="declined")
+        if not self.expect(spec):
+            return pb.ProposalReply(accepted=False, reason="too many groups known, or group id reused")
+        return pb.ProposalReply(accepted=True)
+
+    async def _ask(self, spec: GroupSpec) -> bool:
+        if self._on_proposal is None:
+            return True
+        try:
+            return bool(await self._on_proposal(spec))
+        except Exception:
+            logger.exception("deciding on group %s failed; declining it", spec.group_id)
+            return False
+
+    async def Exchange(self, request_iterator: Any, context: Any) -> None:
+        rnd, sender = None, -1
+        try:
+            header = await _read_header(context)
+            rnd = self._round_for(header.group_id)
+            sender = rnd.attach(header)
+            await context.send_initial_metadata(wire.ADMITTED)
+            await rnd.wait_started(header)
+            averaged = await rnd.collect(context, sender, header.weight)
+            await _send_result(context, rnd, averaged)
+        except _Refused as exc:
+            if exc.reason != "unknown_group":  # not yet known: the sender asks again
+                self._reject(exc.reason)
+                logger.info("refused an averaging call: %s", exc)
+            await context.abort(exc.code, str(exc))
+        finally:
+            if rnd is not None and sender >= 0:
+                rnd.detach(sender)
+
+    def _round_for(self, group_id: str) -> Round:
+        self._forget_expired()
+        if group_id in self._rounds:
+            return self._rounds[group_id]
+        if group_id in self._over:
+            raise _Refused(grpc.StatusCode.ABORTED, "over", f"the all-reduce of group {group_id} is over")
+        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "unknown_group", f"group {group_id} is unknown")
+
+    def _reject(self, reason: str) -> None:
+        if self._on_rejected is not None:
+            self._on_rejected(reason)
+
+
+async def _read_header(context: Any) -> pb.ContributionHeader:
+    try:
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            msg = await context.read()
+    except TimeoutError:
+        raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "invalid", "no header in time") from None
+    if not isinstance(msg, pb.Contribution) or not msg.HasField("header") or msg.data:
+        raise _invalid("the first message must carry the header and no data")
+    return msg.header
+
+
+async def _send_result(context: Any, rnd: Round, averaged: Averaged) -> None:
+    header = pb.AveragedHeader(
+        contributors=averaged.contributors,
+        part_elements=rnd.part_len,
+        wire_dtype=rnd.spec.wire_dtype,
+        included=averaged.included,
+    )
+    await context.write(pb.AveragedPart(header=header))
+    for message, size in wire.chunk_messages(
+        averaged.image if averaged.image is not None else memoryview(b"")
+    ):
+        # Counted before the await: the member cancels the call once it holds the whole result, and
+        # grpc.aio then cancels this handler, possibly before the delivered last chunk's write returns.
+        rnd.result_bytes += size
+        await context.write(message)

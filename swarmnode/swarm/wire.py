@@ -1,0 +1,213 @@
+"""What the averaging service puts on the wire (see "The swarm" in the README and averaging.proto): the
+`Exchange` call's messages and the group spec in its protobuf and JSON forms. A part of n values
+travels as one byte image (its codecs are `codecs.py`), cut into chunks of at most `CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from swarmnode.net.rpc import CHUNK_BYTES, encode_data_chunk
+from swarmnode.proto.v1 import averaging_pb2 as pb
+from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
+from swarmnode.util.validate import parse_cursor, parse_host_port
+
+WIRE_DTYPES = ("fp32", "bf16", "int8")
+EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
+ADMITTED = (("swarmnode-admitted", "1"),)
+"""Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
+MAX_WEIGHT = 1e15
+
+
+def check_dtype(wire_dtype: str) -> str:
+    """`wire_dtype` if it is one of `WIRE_DTYPES`; ValueError otherwise."""
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
+    return wire_dtype
+
+
+# ---------------------------------------------------------------------------------------------------
+# The group as it travels: in `Propose` (protobuf) and in logs and snapshot metadata (plain dicts)
+
+CURSOR_KEYS = ("shard", "epoch", "position")
+MAX_GROUP_SIZE = 256
+_HEX = re.compile(r"[0-9a-f]{1,128}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of an averaging group."""
+
+    node_id: str
+    """Hex."""
+    address: str
+    """HOST:GRPC_PORT."""
+    weight: float = 0.0
+    """Informational; the weight that counts travels with each contribution."""
+    cursor: dict[str, int] | None = None
+    """The member's data cursor (`CURSOR_KEYS`) as of the round's start; None: unknown."""
+    global_digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not _HEX.fullmatch(self.node_id):
+            raise ValueError(f"member node id must be 1-128 lowercase hex digits, got {self.node_id!r}")
+        if len(self.address) > 256:
+            raise ValueError(f"member address too long: {self.address[:64]!r}…")
+        parse_host_port(self.address)
+        if not 0 <= self.weight <= MAX_WEIGHT or len(self.global_digest) > 128:  # NaN fails too
+            raise ValueError(f"member {self.node_id}: bad weight or digest")
+        if self.cursor is not None:
+            parse_cursor(self.cursor)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A frozen averaging group, identical on every member (its leader sends it in `Propose`)."""
+
+    run_id: str
+    round: int
+    group_id: str
+    """Unique per (round, leader)."""
+    members: tuple[Member, ...]
+    """Ordered: member k reduces part k."""
+    wire_dtype: str
+    """"fp32" | "bf16" | "int8"."""
+    timeout_s: float
+    """The all-reduce's budget (--allreduce-timeout)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple(self.members))
+        check_dtype(self.wire_dtype)
+        if not 0 < len(self.members) <= MAX_GROUP_SIZE:
+            raise ValueError(f"a group has 1-{MAX_GROUP_SIZE} members, got {len(self.members)}")
+        if len({m.node_id for m in self.members}) != len(self.members):
+            raise ValueError(f"group {self.group_id!r} names a member twice")
+        if not 0 < len(self.group_id) <= 256 or len(self.run_id) > 256 or self.round < 0:
+            raise ValueError(f"bad group id, run id or round: {self.group_id!r} {self.run_id!r} {self.round}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"all-reduce timeout must be a positive number of seconds, got {self.timeout_s}")
+
+    def index_of(self, node_id: str) -> int:
+        """The member's index; ValueError if the node is not a member."""
+        for k, member in enumerate(self.members):
+            if member.node_id == node_id:
+                return k
+        raise ValueError(f"node {node_id} is not a member of group {self.group_id}")
+
+    def part_range(self, k: int, n: int) -> tuple[int, int]:
+        """Part k of a flat Δ of n values: [k·n/N, (k+1)·n/N)."""
+        size = len(self.members)
+        return k * n // size, (k + 1) * n // size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
+        """The inverse of `to_dict`; ValueError for anything malformed."""
+        try:
+            members = tuple(Member(**m) for m in d["members"])
+            return cls(**{**d, "members": members})
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"malformed group spec: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupSpec:
+        return cls.from_dict(json.loads(text))
+
+
+def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
+    msg = pb.GroupProposal(
+        run_id=spec.run_id,
+        round=spec.round,
+        group_id=spec.group_id,
+        wire_dtype=spec.wire_dtype,
+        timeout_s=spec.timeout_s,
+    )
+    for m in spec.members:
+        member = msg.members.add(
+            node_id=m.node_id, address=m.address, weight=m.weight, global_digest=m.global_digest
+        )
+        if m.cursor is not None:
+            member.cursor.CopyFrom(snapshot_pb.DataCursor(**m.cursor))
+    return msg
+
+
+def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
+    """The proposal's group; ValueError if it is malformed."""
+    members = tuple(
+        Member(
+            m.node_id,
+            m.address,
+            m.weight,
+            {k: getattr(m.cursor, k) for k in CURSOR_KEYS} if m.HasField("cursor") else None,
+            m.global_digest,
+        )
+        for m in msg.members
+    )
+    return GroupSpec(msg.run_id, msg.round, msg.group_id, members, msg.wire_dtype, msg.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The messages of an `Exchange` call (see averaging.proto)
+
+
+def chunk_messages(image: memoryview) -> Iterator[tuple[bytes, int]]:
+    """The image as `(offset, data)` chunk messages (`Contribution` and `AveragedPart` share the
+    layout) in protobuf wire format, each with its payload size; built one at a time, one copy each."""
+    for offset in range(0, len(image), CHUNK_BYTES):
+        chunk = image[offset : offset + CHUNK_BYTES]
+        yield encode_data_chunk(offset, chunk), len(chunk)
+
+
+def take_chunk(msg: pb.Contribution | pb.AveragedPart, image: bytearray, got: int) -> int:
+    """Copies a chunk that continues `image` at byte `got` into it and returns its size; ValueError
+    for anything else (a header, a gap, an overlap, an empty or oversized chunk)."""
+    data = msg.data
+    if msg.HasField("header") or msg.offset != got or not 0 < len(data) <= min(CHUNK_BYTES, len(image) - got):
+        raise ValueError(f"chunk of {len(data)} bytes at offset {msg.offset} does not continue byte {got}")
+    image[got : got + len(data)] = data
+    return len(data)
+
+
+def contribution_header(
+    spec: GroupSpec, sender: int, part: int, weight: float, n: int
+) -> pb.ContributionHeader:
+    lo, hi = spec.part_range(part, n)
+    return pb.ContributionHeader(
+        group_id=spec.group_id,
+        run_id=spec.run_id,
+        round=spec.round,
+        sender=sender,
+        node_id=spec.members[sender].node_id,
+        part=part,
+        weight=weight,
+        wire_dtype=spec.wire_dtype,
+        total_elements=n,
+        part_elements=hi - lo,
+    )
+
+
+def header_problem(h: pb.ContributionHeader, spec: GroupSpec, my_index: int) -> str | None:
+    """What makes a contribution's header unfit for this member's part of the group (None: fit).
+    The sizes are checked later, once the local all-reduce knows Δ's length."""
+    if h.run_id != spec.run_id or h.round != spec.round:
+        return f"run {h.run_id!r} round {h.round} is not the group's"
+    if h.sender >= len(spec.members) or h.sender == my_index:
+        return f"sender index {h.sender} is out of range"
+    if h.node_id != spec.members[h.sender].node_id:
+        return f"node {h.node_id!r} is not member {h.sender}"
+    if h.part != my_index or h.wire_dtype != spec.wire_dtype:
+        return f"part {h.part} in {h.wire_dtype!r} is not part {my_index} in {spec.wire_dtype!r}"
+    if not 0 <= h.weight <= MAX_WEIGHT:  # NaN fails too
+        return f"weight {h.weight} is out of range"
+    return None

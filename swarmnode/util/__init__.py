@@ -1,0 +1,1 @@
+"""Layer 0: what every layer uses: the clock, fault points, metrics, validators, child processes."""
