@@ -173,7 +173,9 @@ def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:
         report = check(read_ledger(node.data_dir))
         assert not report.errors, f"{node.data_dir.name}: {report.errors}"
         record = lineage.get(node.info["node_id"])
-        assert record is not None, f"{node.data_dir.name}: the swarm's newest model has no record of it"
+        if record is None:  # it never got work into the model (a node stopped in its first round...)
+            assert not report.chain, f"{node.data_dir.name}: the newest model has no record of its chain"
+            continue
         point = (record["shard"], record["epoch"], record["position"])
         points = {end for _, end in report.chain} | {report.anchor}
         assert point in points, f"{node.data_dir.name}: the model holds it up to {point}, not a chain point"

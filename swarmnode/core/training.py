@@ -27,7 +27,7 @@ from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
 from swarmnode.snapshot.format import SnapshotError
-from swarmnode.snapshot.metadata import SnapshotMetadata
+from swarmnode.snapshot.metadata import SnapshotMetadata, StateMetadata
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
 from swarmnode.util import clock, faults
 from swarmnode.util.metrics import Metrics
@@ -281,28 +281,30 @@ class TrainingRun:
         return self.trainer.state_tensors()
 
     def state_metadata(self) -> dict[str, Any]:
+        """The state's metadata for a snapshot (the writer adds its kind and layout)."""
         ident, p = self.identity, self.progress
-        return {
-            "run_id": ident.run_id,
-            "node_id": ident.node_id,
-            "run_digest": ident.run_digest,
-            "corpus_digest": ident.corpus_digest,
-            "model": ident.model,
-            "outer_step": p.outer_step,
-            "inner_step": p.inner_step,
-            "round_step": p.round_step,
-            "round_tokens": p.round_tokens,
-            "tokens": p.tokens,
-            "last_loss": p.last_loss,
-            "heldout_loss": p.heldout_loss,
-            "cursor": self.loader.state_dict(),
-            "committed_cursor": p.committed_cursor,
-            "swarm_cursors": p.swarm_cursors,
-            "last_round": p.last_round,
-            "global_digest": self.trainer.global_digest(),
-            "optimizer": self.trainer.state_metadata(),
-            "created_at": clock.now(),
-        }
+        assert p.committed_cursor is not None
+        return StateMetadata(
+            run_id=ident.run_id,
+            node_id=ident.node_id,
+            run_digest=ident.run_digest,
+            corpus_digest=ident.corpus_digest,
+            model=ident.model,
+            outer_step=p.outer_step,
+            inner_step=p.inner_step,
+            round_step=p.round_step,
+            round_tokens=p.round_tokens,
+            tokens=p.tokens,
+            last_loss=p.last_loss,
+            heldout_loss=p.heldout_loss,
+            cursor=self.loader.state_dict(),
+            committed_cursor=p.committed_cursor,
+            swarm_cursors=p.swarm_cursors,
+            last_round=p.last_round,
+            global_digest=self.trainer.global_digest(),
+            optimizer=self.trainer.state_metadata(),
+            created_at=clock.now(),
+        ).to_dict()
 
     def template(self) -> TensorTemplate:
         """name -> (dtype, shape) of every tensor a snapshot of this run must hold."""

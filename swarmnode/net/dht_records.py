@@ -27,13 +27,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn, TypeVar
 
+import msgspec
 from kademlia.storage import IStorage
 from kademlia.utils import digest
 
 from swarmnode.net.identity import NODE_ID_BYTES, Identity, node_id_from_public_key, verify_signature
 from swarmnode.util import clock as wall_clock
+from swarmnode.util.labels import DHTReject
+
+T = TypeVar("T")
 
 MAX_RECORD_BYTES = 1200
 """Largest encoded entry (header + JSON value) that is signed, stored or accepted."""
@@ -48,26 +52,8 @@ MAX_TOTAL_KEYS = 2048
 MAX_TOTAL_ENTRIES = 8192
 """Entries (all keys, all publishers) one storing node holds at most: ~10 MB worst case."""
 
-RejectReason = Literal[
-    "bad_signature",
-    "oversized",
-    "expired",
-    "ttl_too_long",
-    "malformed",
-    "quota",
-    "throttled",
-    "unauthenticated",
-]
-REJECT_REASONS: tuple[RejectReason, ...] = (
-    "bad_signature",
-    "oversized",
-    "expired",
-    "ttl_too_long",
-    "malformed",
-    "quota",
-    "throttled",  # a request from a sender that is not a verified contact, over its source's rate
-    "unauthenticated",  # a datagram of a token swarm without a valid tag
-)
+RejectReason = DHTReject
+REJECT_REASONS = tuple(DHTReject)
 
 # Wire form of an entry: version, public key, signature, seq, expires_at, then the canonical JSON value.
 _WIRE_VERSION = 1
@@ -139,13 +125,13 @@ def encode_value(value: dict[str, Any]) -> bytes:
 
 
 def decode_value(value_bytes: bytes) -> dict[str, Any]:
-    """The JSON object in ``value_bytes``; EntryRejected("malformed") otherwise."""
+    """The JSON object in ``value_bytes``; EntryRejected(DHTReject.MALFORMED) otherwise."""
     try:
         value = json.loads(value_bytes, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
-        raise EntryRejected("malformed") from exc
+        raise EntryRejected(DHTReject.MALFORMED) from exc
     if not isinstance(value, dict):
-        raise EntryRejected("malformed")
+        raise EntryRejected(DHTReject.MALFORMED)
     return value
 
 
@@ -179,28 +165,28 @@ def decode_and_verify_entry(dkey: bytes, blob: object, now: float) -> SignedEntr
     The size is checked before anything is decoded, the cheap checks before the signature.
     """
     if not isinstance(blob, bytes):
-        raise EntryRejected("malformed")
+        raise EntryRejected(DHTReject.MALFORMED)
     if len(blob) > MAX_RECORD_BYTES:
-        raise EntryRejected("oversized")
+        raise EntryRejected(DHTReject.OVERSIZED)
     if len(blob) < _HEADER.size or blob[0] != _WIRE_VERSION:
-        raise EntryRejected("malformed")
+        raise EntryRejected(DHTReject.MALFORMED)
     _, public_key, signature, seq, expires_at = _HEADER.unpack_from(blob)
     entry = SignedEntry(public_key, blob[_HEADER.size :], seq, expires_at, signature)
     _check_expiry(expires_at, now)
     message = signing_message(dkey, node_id_from_public_key(public_key), entry.value_bytes, seq, expires_at)
     if not verify_signature(public_key, signature, message):
-        raise EntryRejected("bad_signature")
+        raise EntryRejected(DHTReject.BAD_SIGNATURE)
     decode_value(entry.value_bytes)
     return entry
 
 
 def _check_expiry(expires_at: float, now: float) -> None:
     if not math.isfinite(expires_at):
-        raise EntryRejected("malformed")
+        raise EntryRejected(DHTReject.MALFORMED)
     if expires_at <= now:
-        raise EntryRejected("expired", counted=expires_at <= now - CLOCK_SKEW_S)
+        raise EntryRejected(DHTReject.EXPIRED, counted=expires_at <= now - CLOCK_SKEW_S)
     if expires_at > now + MAX_TTL_S + CLOCK_SKEW_S:
-        raise EntryRejected("ttl_too_long")
+        raise EntryRejected(DHTReject.TTL_TOO_LONG)
 
 
 def to_dht_entry(entry: SignedEntry) -> DHTEntry:
@@ -348,3 +334,15 @@ class EntryStorage(IStorage):
 
     def __len__(self) -> int:
         return self._total_entries
+
+
+def decode_typed_value(kind: type[T], node_id: str, value: Any) -> T | None:
+    """A typed value (a msgspec Struct whose `node` field is its publisher) from a publisher's entry
+    value, or None if it does not validate: types first, then the Struct's own field checks. A peer's
+    value is never trusted, and this is the one place the swarm's DHT values are decoded."""
+    if not isinstance(value, dict) or "node" in value:
+        return None
+    try:
+        return msgspec.convert({**value, "node": node_id}, kind)
+    except msgspec.ValidationError:
+        return None

@@ -27,15 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tenacity
 
 from swarmnode.net.rpc import (
+    ChannelCache,
     FailureReason,
     NodeStatus,
     PeerUnavailable,
     SnapshotMeta,
     SnapshotUnavailable,
     meta_from_pb,
-    open_channel,
+    peer_channel,
     status_from_pb,
 )
 from swarmnode.proto.v1 import snapshot_pb2 as pb
@@ -81,9 +83,12 @@ def _check_sha256(value: str | None, what: str) -> None:
         raise ValueError(f"{what} must be a sha256 hex digest (64 lowercase hex digits), got {value!r}")
 
 
-async def list_snapshots(address: str, timeout_s: float = 5.0) -> list[SnapshotMeta]:
-    """The snapshots a peer serves, newest first. Raises SnapshotUnavailable."""
-    async with open_channel(address) as channel:
+async def list_snapshots(
+    address: str, timeout_s: float = 5.0, channels: ChannelCache | None = None
+) -> list[SnapshotMeta]:
+    """The snapshots a peer serves, newest first (over a cached channel if `channels`). Raises
+    SnapshotUnavailable."""
+    async with peer_channel(address, channels) as channel:
         try:
             reply = await pb_grpc.SnapshotServiceStub(channel).ListSnapshots(
                 pb.ListSnapshotsRequest(), timeout=timeout_s
@@ -93,9 +98,11 @@ async def list_snapshots(address: str, timeout_s: float = 5.0) -> list[SnapshotM
     return [meta_from_pb(m) for m in reply.snapshots]
 
 
-async def get_status(address: str, timeout_s: float = 5.0) -> NodeStatus:
-    """A peer's live status. Raises PeerUnavailable."""
-    async with open_channel(address) as channel:
+async def get_status(
+    address: str, timeout_s: float = 5.0, channels: ChannelCache | None = None
+) -> NodeStatus:
+    """A peer's live status (over a cached channel if `channels`). Raises PeerUnavailable."""
+    async with peer_channel(address, channels) as channel:
         try:
             stub = pb_grpc.SnapshotServiceStub(channel)
             reply = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
@@ -204,25 +211,33 @@ class _Download:
     started: float = field(default_factory=time.monotonic)
 
     async def run(self, max_resumes: int) -> tuple[SnapshotMeta, int]:
-        """Streams until the announced size is in the part file; returns (metadata, resumes)."""
-        resumes = 0
-        while True:
-            try:
-                await self._stream_once()
-            except _Broken as exc:
-                if resumes >= max_resumes or (exc.reason == "unreachable" and self.meta is None):
-                    raise SnapshotUnavailable(exc.reason, f"{self.address}: {exc}") from None
-                resumes += 1
-                logger.info(
-                    "snapshot stream from %s broke at byte %d (%s); resuming",
-                    self.address,
-                    self.part.size,
-                    exc,
-                )
-                await asyncio.sleep(min(0.05 * 2**resumes, 1.0))
-                continue
-            assert self.meta is not None
-            return self.meta, resumes
+        """Streams until the announced size is in the part file, resuming a broken stream from the
+        bytes it has (backing off) up to `max_resumes` times; returns (metadata, resumes)."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(self._resumable),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            stop=tenacity.stop_after_attempt(max_resumes + 1),
+            before_sleep=self._log_resume,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self._stream_once()
+        except _Broken as exc:
+            raise SnapshotUnavailable(exc.reason, f"{self.address}: {exc}") from None
+        assert self.meta is not None
+        return self.meta, retrying.statistics["attempt_number"] - 1
+
+    def _resumable(self, exc: BaseException) -> bool:
+        """A broken stream resumes, unless the peer was never reached at all."""
+        return isinstance(exc, _Broken) and not (exc.reason == "unreachable" and self.meta is None)
+
+    def _log_resume(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        logger.info(
+            "snapshot stream from %s broke at byte %d (%s); resuming", self.address, self.part.size, exc
+        )
 
     async def _stream_once(self) -> None:
         request = pb.FetchSnapshotRequest(snapshot_id=self._request_id(), offset=self.part.size)
@@ -315,17 +330,18 @@ async def fetch_snapshot(
     max_resumes: int = 3,
     on_bytes: Callable[[int], None] | None = None,
     on_data: Callable[[bytes], Awaitable[None]] | None = None,
+    channels: ChannelCache | None = None,
 ) -> FetchResult:
     """Fetches a snapshot (by id; None: the peer's newest, or `expected_sha256` if given) from the
     peer at HOST:PORT into `out_path`, atomically and only once its sha256 equals the announced id
     (and `expected_sha256`); `out_path` None: the bytes go only to `on_data`, still hashed and
     checked. Resumes a broken stream up to `max_resumes` times; a message that takes
-    over `chunk_timeout_s` ends the fetch. Raises SnapshotUnavailable (no file left behind) or
-    ValueError for a malformed address or id."""
+    over `chunk_timeout_s` ends the fetch. Uses a cached channel if `channels`. Raises
+    SnapshotUnavailable (no file left behind) or ValueError for a malformed address or id."""
     _check_sha256(snapshot_id, "snapshot id")
     _check_sha256(expected_sha256, "expected sha256")
     started = time.monotonic()
-    async with open_channel(address) as channel:
+    async with peer_channel(address, channels) as channel:
         part = _PartFile.create(out_path) if out_path is not None else _HashOnly()
         try:
             download = _Download(

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 from swarmnode.net.rpc import (
     CHUNK_BYTES,
@@ -365,15 +366,17 @@ async def start_server(
     max_serving: int = 2,
     max_serving_per_peer: int | None = None,
     on_served: Callable[[str], None] | None = None,
-    extra_servicers: Sequence[Callable[[grpc.aio.Server], None]] = (),
+    extra_servicers: Sequence[Callable[[grpc.aio.Server], str | None]] = (),
     faults: ServeFaults | None = None,
     security: Security | None = None,
     on_rejected: Callable[[str], None] | None = None,
     limits: StreamLimits | None = None,
     on_stalled: Callable[[StallReason], None] | None = None,
 ) -> RpcServer:
-    """Starts `SnapshotService` and the standard health service (plus `extra_servicers`, each given
-    the server to register on) on host:port (port 0: a free one). At most `max_serving` snapshot
+    """Starts `SnapshotService`, the standard health service and server reflection (so grpcurl and
+    Postman call the API without the .proto files), plus `extra_servicers` (each given the server to
+    register on; the service name it returns is reported SERVING and reflected too), on host:port (port
+    0: a free one). At most `max_serving` snapshot
     streams run at once; `on_served(id)` is called after each stream that reached a file's end.
     A stream that crosses `limits` (default `StreamLimits()`) ends DEADLINE_EXCEEDED, its slot freed,
     and `on_stalled(reason)` counts it. With `security`, it serves TLS and/or refuses calls without
@@ -399,11 +402,13 @@ async def start_server(
     _register_snapshot_service(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    for register in extra_servicers:
-        register(server)
+    services = [SNAPSHOT_SERVICE, *filter(None, (register(server) for register in extra_servicers))]
+    names = (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
     bound = _bind(server, host, port, security.server_credentials())
     await server.start()
-    await health.set(SNAPSHOT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    for name in services:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC server listening on %s:%d", host, bound)
     return RpcServer(server, bound, health)
 

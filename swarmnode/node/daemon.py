@@ -38,6 +38,7 @@ from swarmnode.swarm.membership import DuplicateIdentity, Membership
 from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
 from swarmnode.swarm.rounds import RoundResult
 from swarmnode.util import clock, faults
+from swarmnode.util.labels import RecoverySource
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import TrainingThread
 
@@ -194,11 +195,12 @@ class Node:
             cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s,
             uptime_s=lambda: time.time() - board.started_at,
             on_duplicate=self._on_duplicate,
+            channels=services.channels,
         )
         self.recovery = Recovery(
             parts.run,
             training,
-            peer_fetcher(parts.run, parts.metrics),
+            peer_fetcher(parts.run, parts.metrics, services.channels),
             lambda reason: parts.metrics.fetch_failures.labels(reason).inc(),
         )
         parts.checkpointer.subscribe(self._on_snapshot_written)  # before any snapshot is written
@@ -288,7 +290,9 @@ class Node:
     async def _rejoin_phase(self) -> None:
         """A repaired node adopted a round the swarm is training: it trains that round only until the
         members offer for it (their inner phase is over), then joins its outer step with the tokens
-        it did (none when they already offer), rather than trail a round behind forever."""
+        it did (none when they already offer), rather than trail a round behind forever. When they
+        already offer for a later round, the adopted one is closed: the outer step finds that out at
+        once and the node catches up again."""
         closing = threading.Event()
         round_step = self.run_state.sample.outer_step
 
@@ -439,7 +443,7 @@ class Node:
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
         self._pending_receipt = receipt
-        if receipt.source == "peer":  # keep the adopted state on local disk at once
+        if receipt.source == RecoverySource.PEER:  # keep the adopted state on local disk at once
             await self.training.run(self._snapshot, "hot")
 
     def _write_receipt(self, receipt: Receipt) -> None:

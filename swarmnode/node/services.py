@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -56,6 +57,8 @@ class Services:
     address: str  # the advertised gRPC address, host:port
     dht: SwarmDHT
     rounds: SwarmRounds
+    channels: rpc.ChannelCache
+    """Client channels to peers, reused by the all-reduce, proposals, fetches and probes."""
 
 
 class _Proposals:
@@ -85,6 +88,8 @@ async def start_services(
     """
     node_id = identity.node_id_hex
     ports = Ports(metrics=_start_metrics(stack, cfg, metrics))
+    channels = rpc.ChannelCache()
+    stack.push_async_callback(channels.close)  # after every user of the channels stopped
     stack.push_async_callback(asyncio.to_thread, checkpointer.close)  # after the server that serves it
     proposals = _Proposals()
     averaging = AveragingServicer(
@@ -103,14 +108,20 @@ async def start_services(
     await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
     address = f"{cfg.advertised_host}:{ports.grpc}"
-    proposals.matchmaker = matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest)
-    rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics)
+    proposals.matchmaker = matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels)
+    rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
-    return Services(ports, address, dht, rounds)
+    return Services(ports, address, dht, rounds, channels)
 
 
 def _matchmaker(
-    cfg: NodeConfig, dht: SwarmDHT, node_id: str, address: str, dht_run: str, run_digest: str
+    cfg: NodeConfig,
+    dht: SwarmDHT,
+    node_id: str,
+    address: str,
+    dht_run: str,
+    run_digest: str,
+    channels: rpc.ChannelCache,
 ) -> Matchmaker:
     return Matchmaker(
         dht,
@@ -121,7 +132,7 @@ def _matchmaker(
         cfg.wire_dtype,
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
-        propose_group,
+        functools.partial(propose_group, channels=channels),
     )
 
 

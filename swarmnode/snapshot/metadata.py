@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from swarmnode.snapshot.format import LAYOUTS, SnapshotError
@@ -21,79 +21,6 @@ from swarmnode.util.validate import is_sha256_hex, parse_count, parse_cursor
 Cursor = dict[str, int]
 _NODE_ID = re.compile(r"[0-9a-f]{40}")
 KINDS = ("hot", "cold")
-
-
-@dataclass(frozen=True)
-class SnapshotMetadata:
-    """The training state's counters, cursors and identity as one snapshot recorded them."""
-
-    run_id: str
-    node_id: str
-    """Hex id of the node that wrote the snapshot."""
-    run_digest: str
-    """Hash of everything that must agree across a run (see `training.run_digest`)."""
-    corpus_digest: str
-    model: str
-    kind: str
-    layout: str
-    outer_step: int
-    inner_step: int
-    round_step: int
-    """Inner steps of the round in progress when the snapshot was taken."""
-    round_tokens: int
-    tokens: int
-    last_loss: float | None
-    heldout_loss: float | None
-    cursor: Cursor
-    """The writer's loader position."""
-    committed_cursor: Cursor
-    """Where the writer's batches in the global params end (its last applied round)."""
-    swarm_cursors: Mapping[str, Cursor]
-    """The lineage's record of every node: how far its batches are in the global params."""
-    last_round: Mapping[str, Any] | None
-    global_digest: str
-    adam_step: int
-    optimizer: Mapping[str, Any]
-    created_at: float
-    """Unix seconds by the writer's clock."""
-
-    @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> SnapshotMetadata:
-        """The metadata of a snapshot, or SnapshotError naming the first field that is missing or wrong."""
-        try:
-            return cls._parse(raw)
-        except KeyError as exc:
-            raise SnapshotError(f"malformed snapshot metadata: {exc.args[0]!r} is missing") from None
-        except _BadField as exc:
-            raise SnapshotError(f"malformed snapshot metadata: {exc}") from None
-
-    @classmethod
-    def _parse(cls, raw: Mapping[str, Any]) -> SnapshotMetadata:
-        optimizer = _field(raw, "optimizer", _object)
-        return cls(
-            run_id=_field(raw, "run_id", _text),
-            node_id=_field(raw, "node_id", _node_id),
-            run_digest=_field(raw, "run_digest", _sha256),
-            corpus_digest=_field(raw, "corpus_digest", _sha256),
-            model=_field(raw, "model", _text),
-            kind=_field(raw, "kind", _one_of(KINDS)),
-            layout=_field(raw, "layout", _one_of(LAYOUTS)),
-            outer_step=_field(raw, "outer_step", parse_count),
-            inner_step=_field(raw, "inner_step", parse_count),
-            round_step=_field(raw, "round_step", parse_count),
-            round_tokens=_field(raw, "round_tokens", parse_count),
-            tokens=_field(raw, "tokens", parse_count),
-            last_loss=_field(raw, "last_loss", _optional_number),
-            heldout_loss=_field(raw, "heldout_loss", _optional_number),
-            cursor=_field(raw, "cursor", parse_cursor),
-            committed_cursor=_field(raw, "committed_cursor", parse_cursor),
-            swarm_cursors=_field(raw, "swarm_cursors", _cursor_table),
-            last_round=_field(raw, "last_round", _optional_object),
-            global_digest=_field(raw, "global_digest", _sha256),
-            adam_step=_field(optimizer, "adam_step", parse_count),
-            optimizer=optimizer,
-            created_at=_field(raw, "created_at", _finite_number),
-        )
 
 
 class _BadField(Exception):
@@ -168,3 +95,74 @@ def _optional_object(value: Any) -> Mapping[str, Any] | None:
 def _cursor_table(value: Any) -> Mapping[str, Cursor]:
     table = _object(value)
     return {_node_id(node): parse_cursor(cursor) for node, cursor in table.items()}
+
+
+def _optimizer(value: Any) -> Mapping[str, Any]:
+    optimizer = _object(value)
+    _field(optimizer, "adam_step", parse_count)
+    return optimizer
+
+
+def _checked(parse: Callable[[Any], Any]) -> Any:
+    """A metadata field and the check its value gets when a snapshot is read."""
+    return field(metadata={"parse": parse})
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """The training state's identity, counters and cursors, as the training run describes itself for a
+    snapshot (`TrainingRun.state_metadata`). Each field declares the check its value gets on reading."""
+
+    run_id: str = _checked(_text)
+    node_id: str = _checked(_node_id)
+    """Hex id of the node that wrote the snapshot."""
+    run_digest: str = _checked(_sha256)
+    """Hash of everything that must agree across a run (see `training.run_digest`)."""
+    corpus_digest: str = _checked(_sha256)
+    model: str = _checked(_text)
+    outer_step: int = _checked(parse_count)
+    inner_step: int = _checked(parse_count)
+    round_step: int = _checked(parse_count)
+    """Inner steps of the round in progress when the snapshot was taken."""
+    round_tokens: int = _checked(parse_count)
+    tokens: int = _checked(parse_count)
+    last_loss: float | None = _checked(_optional_number)
+    heldout_loss: float | None = _checked(_optional_number)
+    cursor: Cursor = _checked(parse_cursor)
+    """The writer's loader position."""
+    committed_cursor: Cursor = _checked(parse_cursor)
+    """Where the writer's batches in the global params end (its last applied round)."""
+    swarm_cursors: Mapping[str, Cursor] = _checked(_cursor_table)
+    """The lineage's record of every node: how far its batches are in the global params."""
+    last_round: Mapping[str, Any] | None = _checked(_optional_object)
+    global_digest: str = _checked(_sha256)
+    optimizer: Mapping[str, Any] = _checked(_optimizer)
+    """The optimisers' hyper-parameters and the inner optimizer's step (`adam_step`)."""
+    created_at: float = _checked(_finite_number)
+    """Unix seconds by the writer's clock."""
+
+    @property
+    def adam_step(self) -> int:
+        return int(self.optimizer["adam_step"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object a snapshot stores."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class SnapshotMetadata(StateMetadata):
+    """A snapshot's metadata as read back: the training state's, plus what the writer added."""
+
+    kind: str = _checked(_one_of(KINDS))
+    layout: str = _checked(_one_of(LAYOUTS))
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> SnapshotMetadata:
+        """The metadata of a snapshot, or SnapshotError naming the first field that is missing or wrong."""
+        try:
+            return cls(**{f.name: _field(raw, f.name, f.metadata["parse"]) for f in fields(cls)})
+        except KeyError as exc:
+            raise SnapshotError(f"malformed snapshot metadata: {exc.args[0]!r} is missing") from None
+        except _BadField as exc:
+            raise SnapshotError(f"malformed snapshot metadata: {exc}") from None

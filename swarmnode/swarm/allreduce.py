@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import tenacity
 import torch
 
 from swarmnode.core.diloco import AveragedDelta, Range
@@ -38,9 +38,10 @@ from swarmnode.net import rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
 from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.reducer import AveragingServicer, Round, average, settle
+from swarmnode.swarm.reducer import AveragingServicer, LocalReduction
 from swarmnode.swarm.wire import EXCHANGE_METHOD, GroupSpec
 from swarmnode.util import faults
+from swarmnode.util.aio import settle
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +87,22 @@ async def _wait_until(event: asyncio.Event, when: float) -> None:
 
 
 async def butterfly_allreduce(
-    servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+    servicer: AveragingServicer,
+    spec: GroupSpec,
+    my_index: int,
+    delta: torch.Tensor,
+    weight: float,
+    channels: rpc.ChannelCache | None = None,
 ) -> AllReduceResult:
     """Averages a flat fp32 CPU Δ with the group's other members, weighted by `weight` (e.g. tokens),
     within `spec.timeout_s`; see the module notes for what is covered when peers fail. `delta` must
-    stay unchanged until this returns; a group of one returns it as it is. Never raises for a peer's
-    failure; ValueError for bad arguments."""
+    stay unchanged until this returns; a group of one returns it as it is. `channels`: the node's
+    cached channels to its peers (None: one per call). Never raises for a peer's failure; ValueError
+    for bad arguments."""
     _check_call(servicer, spec, my_index, delta, weight)
     if len(spec.members) == 1:
         return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (frozenset({0}),))
-    return await _Butterfly(servicer, spec, my_index, delta, weight).run()
+    return await _Butterfly(servicer, spec, my_index, delta, weight, channels).run()
 
 
 def _check_call(
@@ -113,9 +120,16 @@ class _Butterfly:
     """One member's side of one all-reduce: sends its parts, reduces its own, gathers the results."""
 
     def __init__(
-        self, servicer: AveragingServicer, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float
+        self,
+        servicer: AveragingServicer,
+        spec: GroupSpec,
+        my_index: int,
+        delta: torch.Tensor,
+        weight: float,
+        channels: rpc.ChannelCache | None,
     ) -> None:
         self.servicer, self.spec, self.me, self.delta, self.weight = servicer, spec, my_index, delta, weight
+        self.channels = channels
         self.peers = [k for k in range(len(spec.members)) if k != my_index]
         now = asyncio.get_running_loop().time()
         self.deadline, self.collect_deadline = now + spec.timeout_s, now + COLLECT_SHARE * spec.timeout_s
@@ -173,13 +187,12 @@ class _Butterfly:
                 _extend(carried, lo, hi)
         return AveragedDelta(out, tuple(covered), len(self.spec.members), tuple(carried))
 
-    async def _reduce(self, rnd: Round) -> None:
+    async def _reduce(self, rnd: LocalReduction) -> None:
         """Reduces this node's part once every expected contribution is in and its own parts went
         out (or at the collect deadline), publishes the result, and waits until it was delivered."""
-        await _wait_until(rnd.all_in, self.collect_deadline)
+        await rnd.contributions_in(self.collect_deadline)
         await _wait_until(self.sends_done, self.collect_deadline)
-        contributions = rnd.close()
-        averaged = await asyncio.to_thread(average, contributions, self.spec.wire_dtype, rnd.own.numel())
+        averaged = await rnd.reduce(self.spec.wire_dtype)
         await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:
@@ -189,18 +202,18 @@ class _Butterfly:
                 "group %s: part %d averages %d of %d members",
                 *(self.spec.group_id, self.me, averaged.contributors, len(self.spec.members)),
             )
-        await rnd.idle.wait()
+        await rnd.delivered()
 
-    async def _exchange(self, k: int, rnd: Round) -> None:
+    async def _exchange(self, k: int, rnd: LocalReduction) -> None:
         """Sends part k to member k and takes back its average; a failure leaves part k uncovered."""
         try:
-            async with rpc.open_channel(self.spec.members[k].address) as channel:
+            async with rpc.peer_channel(self.spec.members[k].address, self.channels) as channel:
                 outcome = await self._exchange_on(channel, k)
         finally:
             self._send_over(k)
         if isinstance(outcome, grpc.StatusCode):
             if outcome == grpc.StatusCode.UNAVAILABLE:
-                rnd.give_up(k)  # its node is unreachable: no contribution will come from it either
+                rnd.stop_waiting_for(k)  # its node is unreachable: no contribution will come from it
             logger.warning(
                 "group %s: part %d not averaged: member %d answered %s",
                 self.spec.group_id,
@@ -212,25 +225,36 @@ class _Butterfly:
             self.parts[k] = outcome
 
     async def _exchange_on(self, channel: grpc.aio.Channel, k: int) -> _Part | grpc.StatusCode | None:
-        """One call; another while member k does not know the group yet, until the collect deadline."""
-        for attempt in itertools.count():
-            call = channel.stream_stream(
-                EXCHANGE_METHOD,
-                request_serializer=rpc.serialize,
-                response_deserializer=pb.AveragedPart.FromString,
-            )()
-            writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
-            try:
-                return await self._read_result(call, k)
-            except grpc.aio.AioRpcError as exc:
-                late = asyncio.get_running_loop().time() > self.collect_deadline
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or late:
-                    return exc.code()
-            finally:
-                call.cancel()
-                await settle(writer)
-            await asyncio.sleep(min(0.02 * 2**attempt, 0.25))
-        raise AssertionError("unreachable")
+        """One call; another, backing off, while member k does not know the group yet (it answers
+        FAILED_PRECONDITION until it accepted the proposal), until the collect deadline."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(_not_known_yet),
+            wait=tenacity.wait_exponential(multiplier=0.02, max=0.25),
+            stop=tenacity.stop_after_delay(
+                max(self.collect_deadline - asyncio.get_running_loop().time(), 0.0)
+            ),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._one_call(channel, k)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        raise AssertionError("tenacity ends with a result or the last error")
+
+    async def _one_call(self, channel: grpc.aio.Channel, k: int) -> _Part | None:
+        call = channel.stream_stream(
+            EXCHANGE_METHOD,
+            request_serializer=rpc.serialize,
+            response_deserializer=pb.AveragedPart.FromString,
+        )()
+        writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
+        try:
+            return await self._read_result(call, k)
+        finally:
+            call.cancel()
+            await settle(writer)
 
     async def _write(self, call: Any, k: int) -> None:
         header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
@@ -298,12 +322,20 @@ def _included(indices: Any, group_size: int) -> frozenset[int]:
     return frozenset(members)
 
 
-async def propose_group(address: str, spec: GroupSpec, timeout_s: float) -> bool:
+def _not_known_yet(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def propose_group(
+    address: str, spec: GroupSpec, timeout_s: float, channels: rpc.ChannelCache | None = None
+) -> bool:
     """Asks the member at HOST:PORT to join the group; False on refusal or any failure."""
     try:
-        async with rpc.open_channel(address) as channel:
+        async with rpc.peer_channel(address, channels) as channel:
+            # wait_for_ready: a cached channel still reconnecting to a member that was away is given
+            # the proposal's time to come back, rather than failing it at once.
             reply = await pb_grpc.AveragingServiceStub(channel).Propose(
-                wire.spec_to_pb(spec), timeout=timeout_s
+                wire.spec_to_pb(spec), timeout=timeout_s, wait_for_ready=True
             )
     except (grpc.aio.AioRpcError, ValueError) as exc:
         logger.info("proposal of group %s to %s failed: %s", spec.group_id, address, exc)

@@ -2,16 +2,19 @@
 
 Under `swarmnode/<run>/snapshots` each node keeps one signed entry (the DHT layer proves who wrote it):
 its advertised gRPC address, its newest snapshot (id, size, steps, kind, created-at), its data cursor and
-its run digest. A signature only proves authorship: the content is still checked field by field here,
-since a peer is never trusted.
+its run digest. A signature only proves authorship: the content is still checked field by field when it
+is decoded (`Announcement.from_entry`), since a peer is never trusted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from swarmnode.util.validate import is_sha256_hex, parse_count, parse_cursor, parse_host_port
+import msgspec
+
+from swarmnode.net.dht_records import decode_typed_value
+from swarmnode.util.labels import SnapshotKind
+from swarmnode.util.validate import is_node_id_hex, is_sha256_hex, parse_cursor, parse_host_port
 
 ANNOUNCE_TTL_S = 900.0
 
@@ -20,63 +23,44 @@ def snapshots_key(run_id: str) -> str:
     return f"swarmnode/{run_id}/snapshots"
 
 
-@dataclass(frozen=True)
-class Announcement:
-    node_id: str
-    address: str
-    snapshot_id: str
-    size_bytes: int
-    outer_step: int
-    inner_step: int
-    kind: str
-    created_at: float
-    run_digest: str
-    cursor: dict[str, int] | None
+class Announcement(msgspec.Struct, frozen=True):
+    """One node's newest snapshot as it announces it. The DHT value's short keys (a record must stay
+    under ~1,200 bytes) are the fields' wire names; the node id is the entry's signed publisher."""
+
+    node_id: str = msgspec.field(name="node")
+    address: str = msgspec.field(name="addr")
+    snapshot_id: str = msgspec.field(name="id")
+    size_bytes: int = msgspec.field(name="size")
+    outer_step: int = msgspec.field(name="o")
+    inner_step: int = msgspec.field(name="i")
+    kind: SnapshotKind = msgspec.field(name="kind")
+    created_at: float = msgspec.field(name="t")
+    run_digest: str = msgspec.field(name="run")
+    cursor: dict[str, int] | None = msgspec.field(name="cur", default=None)
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.address)
+        if self.cursor is not None:
+            parse_cursor(self.cursor)
+        if min(self.size_bytes, self.outer_step, self.inner_step) < 0:
+            raise ValueError("negative size or step")
+        if not (is_sha256_hex(self.snapshot_id) and is_sha256_hex(self.run_digest)):
+            raise ValueError("snapshot id and run digest must be sha256 hex digests")
+        if not is_node_id_hex(self.node_id):
+            raise ValueError("not a node id")
 
     @property
     def freshness(self) -> tuple[int, int]:
         return self.outer_step, self.inner_step
 
     def to_value(self) -> dict[str, Any]:
-        """The DHT value (short keys: a record must stay under ~1,200 bytes)."""
-        return {
-            "addr": self.address,
-            "id": self.snapshot_id,
-            "size": self.size_bytes,
-            "o": self.outer_step,
-            "i": self.inner_step,
-            "kind": self.kind,
-            "t": round(self.created_at, 3),
-            "run": self.run_digest,
-            "cur": self.cursor,
-        }
+        """The DHT value (the node id travels as the entry's publisher, not in it)."""
+        value: dict[str, Any] = msgspec.to_builtins(self)
+        del value["node"]
+        value["t"] = round(self.created_at, 3)
+        return value
 
     @classmethod
-    def from_value(cls, node_id: str, value: dict[str, Any]) -> Announcement | None:
+    def from_value(cls, node_id: str, value: Any) -> Announcement | None:
         """The announcement in a peer's DHT value, or None when any field is malformed."""
-        try:
-            announcement = cls(
-                node_id,
-                str(value["addr"]),
-                str(value["id"]),
-                parse_count(value["size"]),
-                parse_count(value["o"]),
-                parse_count(value["i"]),
-                str(value["kind"]),
-                float(value["t"]),
-                str(value["run"]),
-                _cursor(value.get("cur")),
-            )
-            parse_host_port(announcement.address)
-        except (KeyError, TypeError, ValueError):
-            return None
-        ok = (
-            is_sha256_hex(announcement.snapshot_id)
-            and is_sha256_hex(announcement.run_digest)
-            and announcement.kind in ("hot", "cold")
-        )
-        return announcement if ok else None
-
-
-def _cursor(value: Any) -> dict[str, int] | None:
-    return None if value is None else parse_cursor(value)
+        return decode_typed_value(cls, node_id, value)

@@ -22,6 +22,7 @@ from swarmnode.swarm.announcements import Announcement
 from swarmnode.swarm.membership import Membership
 from swarmnode.swarm.recovery import Fetcher, Receipt, Recovery
 from swarmnode.util import faults
+from swarmnode.util.labels import RecoverySource
 from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ async def restore_at_start(
 
 
 def log_receipt(receipt: Receipt) -> None:
-    if receipt.source == "fresh":
+    if receipt.source == RecoverySource.FRESH:
         logger.info(
             "no snapshot to resume from: starting at outer step 0 with %s cursor %s",
             receipt.cursor_source,
@@ -73,8 +74,9 @@ def log_receipt(receipt: Receipt) -> None:
         )
 
 
-def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
-    """Fetches a peer's snapshot of at most a little more than this run's state, counting the bytes."""
+def peer_fetcher(run: TrainingRun, metrics: Metrics, channels: rpc.ChannelCache | None = None) -> Fetcher:
+    """Fetches a peer's snapshot of at most a little more than this run's state, counting the bytes
+    (over the node's cached channels, if given)."""
 
     async def count_fetched(size: int) -> None:
         metrics.fetch_bytes.inc(size)
@@ -94,7 +96,12 @@ def peer_fetcher(run: TrainingRun, metrics: Metrics) -> Fetcher:
             await on_data(data)
 
         get = functools.partial(
-            snapshot_client.fetch_snapshot, peer.address, None, max_bytes=limit, on_data=forward
+            snapshot_client.fetch_snapshot,
+            peer.address,
+            None,
+            max_bytes=limit,
+            on_data=forward,
+            channels=channels,
         )
         try:
             result = await get(snapshot_id=peer.snapshot_id, expected_sha256=peer.snapshot_id)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -27,10 +26,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from swarmnode.net.dht import DHTEntry
+from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import clock
-from swarmnode.util.validate import is_sha256_hex, parse_count, parse_cursor
+from swarmnode.util.validate import is_sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -49,56 +51,39 @@ def round_key(run_id: str) -> str:
     return f"swarmnode/{run_id}/round"
 
 
-@dataclass(frozen=True)
-class Offer:
-    """One node's bid to average in round `outer_step`."""
+class Offer(msgspec.Struct, frozen=True):
+    """One node's bid to average in round `outer_step`, as its DHT value (short wire names; the node id
+    is the entry's signed publisher). Every field is checked when it is decoded (`from_entry`), so
+    nothing can fail later when the group is built."""
 
-    node_id: str
-    address: str
-    deadline: float  # unix seconds
-    run_digest: str
-    global_digest: str
-    weight: float
-    cursor: dict[str, int] | None
-    outer_step: int
-    frozen: bool = False  # set by a leader once it froze its group: late offers are too late
+    node_id: str = msgspec.field(name="node")
+    address: str = msgspec.field(name="addr")
+    deadline: float = msgspec.field(name="dl")
+    """Unix seconds, rounded to the millisecond when the offer is made."""
+    run_digest: str = msgspec.field(name="run")
+    global_digest: str = msgspec.field(name="g")
+    weight: float = msgspec.field(name="w")
+    cursor: dict[str, int] | None = msgspec.field(name="cur")
+    outer_step: int = msgspec.field(name="o")
+    frozen: bool = msgspec.field(name="fz", default=False)
+    """Set by a leader once it froze its group: late offers are too late."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.deadline) and is_sha256_hex(self.run_digest)) or self.outer_step < 0:
+            raise ValueError("bad deadline, run digest or round")
+        self.member()  # validates the address, id, cursor, weight and digest as the group spec will
 
     def to_value(self) -> dict[str, Any]:
-        value = {
-            "addr": self.address,
-            "dl": self.deadline,  # rounded to the millisecond when the offer is made
-            "run": self.run_digest,
-            "g": self.global_digest,
-            "w": self.weight,
-            "cur": self.cursor,
-            "o": self.outer_step,
-        }
-        if self.frozen:
-            value["fz"] = True
+        value: dict[str, Any] = msgspec.to_builtins(self)
+        del value["node"]
+        if not self.frozen:
+            del value["fz"]
         return value
 
     @classmethod
     def from_entry(cls, node_id: str, entry: DHTEntry) -> Offer | None:
-        """The offer in a peer's DHT value, or None when any field is malformed (a peer is never
-        trusted: every field is checked, so nothing can fail later when the group is built)."""
-        value = entry.value
-        try:
-            cursor = value.get("cur")
-            offer = cls(
-                node_id,
-                str(value["addr"]),
-                float(value["dl"]),
-                str(value["run"]),
-                str(value["g"]),
-                float(value["w"]),
-                None if cursor is None else parse_cursor(cursor),
-                parse_count(value["o"]),
-                value.get("fz") is True,
-            )
-            offer.member()  # validates the address, id, cursor and digest as the group spec will
-        except (KeyError, TypeError, ValueError, OverflowError):
-            return None
-        return offer if math.isfinite(offer.deadline) and is_sha256_hex(offer.run_digest) else None
+        """The offer in a peer's DHT entry, or None when any field is malformed."""
+        return decode_typed_value(cls, node_id, entry.value)
 
     def member(self) -> Member:
         return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)
@@ -188,30 +173,42 @@ class Matchmaker:
     async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
         offers = {own.node_id: own}
-        # Stop early once every peer this node expects has offered (none expected: wait the deadline).
+        # Stop early once every peer this node expects has offered (none expected: wait the deadline),
+        # or once most of them offer for a later round: this one closed without this node.
         while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
-            offers.update(await self._read_offers(key, own.outer_step))
+            current = await self._current_offers(key)
+            moved_on = sorted(
+                o.outer_step
+                for o in current.values()
+                if o.node_id in expected_peers and o.outer_step > own.outer_step
+            )
+            if expected_peers and 2 * len(moved_on) > len(expected_peers):
+                reason = f"{len(moved_on)} of the peers it expects already offer for round {moved_on[-1]}"
+                return Outcome(None, reason=reason, missed=True)
+            offers.update(_for_round(current, own.outer_step))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S)
         if self._proposal.done():
             return Outcome(self._proposal.result())
-        offers.update(await self._read_offers(key, own.outer_step))
+        offers.update(_for_round(await self._current_offers(key), own.outer_step))
         return await self._decide(own, list(offers.values()))
 
     async def peer_offers(self, outer_step: int) -> dict[str, Offer]:
-        """The peers' current offers for round `outer_step` (of this run's configuration)."""
-        return await self._read_offers(round_key(self.run_id), outer_step)
+        """The peers' current offers for round `outer_step` or a later one (of this run's configuration)."""
+        current = await self._current_offers(round_key(self.run_id))
+        return {node_id: o for node_id, o in current.items() if o.outer_step >= outer_step}
 
-    async def _read_offers(self, key: str, outer_step: int) -> dict[str, Offer]:
+    async def _current_offers(self, key: str) -> dict[str, Offer]:
+        """Each peer's current offer, whatever its round, of this run's configuration."""
         entries = await self.dht.get(key)
         offers = {}
         for node_id, entry in entries.items():
             offer = Offer.from_entry(node_id, entry)
             if offer is None or node_id == self.node_id:
                 continue
-            if offer.run_digest == self.run_digest and offer.outer_step == outer_step:
+            if offer.run_digest == self.run_digest:
                 offers[node_id] = offer
         return offers
 
@@ -262,7 +259,7 @@ class Matchmaker:
     def _mark_frozen(self, own: Offer) -> None:
         """Tell late comers (in the background) that this round's group is closed, so that they stop
         waiting for a proposal that will not come."""
-        frozen = dataclasses.replace(own, frozen=True)
+        frozen = msgspec.structs.replace(own, frozen=True)
         task = asyncio.create_task(
             self.dht.publish(round_key(self.run_id), frozen.to_value(), self._offer_ttl_s)
         )
@@ -296,6 +293,10 @@ class Matchmaker:
             reason = f"leader {leader.node_id[:12]} closed the group without this node"
             return Outcome(None, reason=reason, missed=True)
         return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+
+
+def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:
+    return {node_id: o for node_id, o in offers.items() if o.outer_step == outer_step}
 
 
 def _rank(offer: Offer) -> tuple[float, str]:

@@ -27,8 +27,9 @@ from swarmnode.net import rpc, snapshot_client
 from swarmnode.net.dht import SwarmDHT
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
-from swarmnode.swarm.matchmaking import round_key
+from swarmnode.swarm.matchmaking import Offer, round_key
 from swarmnode.util.errors import ConfigError
+from swarmnode.util.labels import SnapshotKind
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,14 @@ class Membership:
         ahead_wait_s: float,
         uptime_s: Callable[[], float] = lambda: 0.0,
         on_duplicate: Callable[[DuplicateIdentity], None] | None = None,
+        channels: rpc.ChannelCache | None = None,
     ) -> None:
         """`uptime_s()`: how long this node has run; `on_duplicate` is told, once, when this running
         node turns out to be the younger of two with one identity."""
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
         self.round_key = round_key(dht_run)
         self.stop, self.ahead_wait_s = stop, ahead_wait_s
-        self.uptime_s, self.on_duplicate = uptime_s, on_duplicate
+        self.uptime_s, self.on_duplicate, self.channels = uptime_s, on_duplicate, channels
         self._warned: set[str] = set()
         self._announce_task: asyncio.Task[None] | None = None
         self._probed: dict[str, float] = {}  # address -> when it was last probed (monotonic)
@@ -89,7 +91,7 @@ class Membership:
             info.size_bytes,
             info.outer_step,
             info.inner_step,
-            info.kind,
+            SnapshotKind(info.kind),
             info.created_at,
             self.run.run_digest,
             info.cursor,
@@ -150,19 +152,20 @@ class Membership:
 
     async def _own_addresses(self) -> set[str]:
         """Addresses other than this node's that DHT entries under its own id name."""
-        found = set()
-        for key in (self.key, self.round_key):
-            entry = (await self.dht.get(key)).get(self.run.node_id)
-            address = entry.value.get("addr") if entry is not None else None
-            if isinstance(address, str) and address != self.address:
-                found.add(address)
-        return found
+        me = self.run.node_id
+        announced = (await self.dht.get(self.key)).get(me)
+        offered = (await self.dht.get(self.round_key)).get(me)
+        values = [
+            Announcement.from_value(me, announced.value) if announced is not None else None,
+            Offer.from_entry(me, offered) if offered is not None else None,
+        ]
+        return {v.address for v in values if v is not None and v.address != self.address}
 
     async def _probe(self, address: str) -> rpc.NodeStatus | None:
         """The status of a live node at `address` that has this node's id, else None."""
         self._probed[address] = time.monotonic()
         try:
-            status = await snapshot_client.get_status(address, timeout_s=IDENTITY_PROBE_TIMEOUT_S)
+            status = await snapshot_client.get_status(address, IDENTITY_PROBE_TIMEOUT_S, self.channels)
         except (rpc.PeerUnavailable, ValueError):
             return None
         return status if status.node_id == self.run.node_id else None

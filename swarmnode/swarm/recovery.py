@@ -35,6 +35,8 @@ from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot, read_snapshot_stream
 from swarmnode.snapshot.tensors import LoadedSnapshot
 from swarmnode.swarm.announcements import Announcement
+from swarmnode.util.errors import PeerFault
+from swarmnode.util.labels import CursorSource, FetchFailure, RecoverySource
 from swarmnode.util.threads import TrainingThread
 
 logger = logging.getLogger(__name__)
@@ -49,14 +51,14 @@ a `reason` attribute (see rpc.PeerUnavailable)."""
 
 @dataclass
 class Receipt:
-    source: str  # "local" | "peer" | "fresh"
+    source: RecoverySource
     snapshot_id: str | None = None
     peer: str | None = None
     bytes: int = 0
     outer_step: int = 0
     inner_step: int = 0
     cursor: dict[str, int] = field(default_factory=dict)
-    cursor_source: str = "fresh"  # "own_snapshot" | "announcement" | "round_metadata" | "fresh"
+    cursor_source: CursorSource = CursorSource.FRESH
     stages_s: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     loss_before: float | None = None
@@ -95,7 +97,7 @@ class Candidate:
 @dataclass(frozen=True)
 class CursorChoice:
     cursor: dict[str, int] | None
-    source: str
+    source: CursorSource
     steps: tuple[int, int]  # (inner_step, tokens) of this node as of that cursor
 
 
@@ -146,7 +148,7 @@ class Recovery:
         if cursor.cursor is not None:
             await self.training.run(self.run.resume_cursor, cursor.cursor, cursor.steps)
         return Receipt(
-            source="fresh",
+            source=RecoverySource.FRESH,
             cursor=self.run.loader.state_dict(),
             cursor_source=cursor.source,
             stages_s={"lookup": lookup_s},
@@ -160,22 +162,27 @@ class Recovery:
             assert candidate.announcement is not None
             return await self._restore_peer(candidate.announcement, choose)
         except SnapshotMismatch as exc:  # sound, but another configuration's: skip it, keep the file
-            if candidate.path is None:
-                self.on_failure("invalid")
-            failed.append(f"{candidate.describe()}: {exc}")
+            self._refused(candidate, FetchFailure.INVALID, exc, failed)
         except SnapshotError as exc:
             if candidate.path is not None:
                 quarantine(candidate.path, str(exc))
-            else:
-                self.on_failure("invalid")
-            failed.append(f"{candidate.describe()}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - whatever a peer or a disk does: count it, try the next
-            reason = getattr(exc, "reason", None) or "invalid"
-            if candidate.path is None:
-                self.on_failure(reason)
-            failed.append(f"{candidate.describe()}: {reason}: {exc}")
-        logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
+            self._refused(candidate, FetchFailure.INVALID, exc, failed)
+        except PeerFault as exc:
+            self._refused(candidate, exc.reason, exc, failed)
+        except OSError as exc:  # a disk that fails, or a socket a library let through
+            self._refused(candidate, FetchFailure.UNREACHABLE, exc, failed)
+        except Exception as exc:  # noqa: BLE001 - a bug here: never the peer's fault; go on with the next
+            logger.exception("recovery candidate %s failed unexpectedly", candidate.describe())
+            self._refused(candidate, FetchFailure.INTERNAL, exc, failed)
         return None
+
+    def _refused(
+        self, candidate: Candidate, reason: FetchFailure, exc: BaseException, failed: list[str]
+    ) -> None:
+        if candidate.path is None:  # only a peer's candidate counts as a failed fetch
+            self.on_failure(reason)
+        failed.append(f"{candidate.describe()}: {reason}: {exc}")
+        logger.warning("recovery candidate refused: %s; trying the next one", failed[-1])
 
     async def repair(self, peers: list[Announcement], min_outer_step: int) -> Receipt | None:
         """Adopt the freshest of `peers`' snapshots that verifies and is at least at `min_outer_step`
@@ -190,8 +197,10 @@ class Recovery:
                 raise SnapshotError(f"the peer's snapshot is not at outer step {min_outer_step} as announced")
             mine = self._lineage_cursor(meta.swarm_cursors)
             if mine is not None:
-                return CursorChoice(mine, "round_metadata", steps)
-            return CursorChoice({"shard": self.run.loader.shard, "epoch": 0, "position": 0}, "fresh", steps)
+                return CursorChoice(mine, CursorSource.ROUND_METADATA, steps)
+            return CursorChoice(
+                {"shard": self.run.loader.shard, "epoch": 0, "position": 0}, CursorSource.FRESH, steps
+            )
 
         failed: list[str] = []
         for peer in peers:
@@ -213,13 +222,13 @@ class Recovery:
         self.run.restore_own(loaded, meta)
         done = time.perf_counter()
         return Receipt(
-            source="local",
+            source=RecoverySource.LOCAL,
             snapshot_id=loaded.snapshot_id,
             bytes=path.stat().st_size,
             outer_step=self.run.progress.outer_step,
             inner_step=self.run.progress.inner_step,
             cursor=self.run.loader.state_dict(),
-            cursor_source="own_snapshot",
+            cursor_source=CursorSource.OWN_SNAPSHOT,
             stages_s={"verify": verified - started, "load": done - verified},
             seconds=done - started,
             loss_before=meta.last_loss,
@@ -271,7 +280,7 @@ class Recovery:
                 "no cursor of this node's own survives: starting shard %d afresh", self.run.loader.shard
             )
         return Receipt(
-            source="peer",
+            source=RecoverySource.PEER,
             snapshot_id=loaded.snapshot_id,
             peer=peer.address,
             bytes=loaded.compressed_bytes,
@@ -308,14 +317,14 @@ class Recovery:
         mine = self._lineage_cursor(lineage)
         if mine is not None:
             steps = (own.inner_step, 0) if own is not None else (0, 0)
-            return CursorChoice(mine, "round_metadata", steps)
-        options = [CursorChoice(None, "fresh", (0, 0))]
+            return CursorChoice(mine, CursorSource.ROUND_METADATA, steps)
+        options = [CursorChoice(None, CursorSource.FRESH, (0, 0))]
         if own is not None and own.cursor is not None:
-            options.append(CursorChoice(own.cursor, "announcement", (own.inner_step, 0)))
+            options.append(CursorChoice(own.cursor, CursorSource.ANNOUNCEMENT, (own.inner_step, 0)))
         for local in self.local:  # a file set aside as corrupt still says how far this node got
             meta = local.meta
             steps = (meta.inner_step, meta.tokens)
-            options.append(CursorChoice(dict(meta.committed_cursor), "own_snapshot", steps))
+            options.append(CursorChoice(dict(meta.committed_cursor), CursorSource.OWN_SNAPSHOT, steps))
         usable = [o for o in options if o.cursor is None or self._resumable(o.cursor)]
         return max(
             usable, key=lambda o: (-1, -1) if o.cursor is None else (o.cursor["epoch"], o.cursor["position"])

@@ -6,6 +6,7 @@ reduces from the contributions other members stream to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from swarmnode.net import rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, wire
 from swarmnode.swarm.wire import GroupSpec
+from swarmnode.util.aio import settle
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +61,11 @@ def _invalid(message: str) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid", message)
 
 
-async def settle(*tasks: asyncio.Task[Any]) -> None:
-    """Cancels the tasks and waits for them to end; logs failures other than refusals (reported)."""
-    for task in tasks:
-        task.cancel()
-    for task, outcome in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
-        if isinstance(outcome, Exception) and not isinstance(outcome, _Refused):
-            logger.error("averaging task %s failed", task.get_name(), exc_info=outcome)
+async def _settle(*tasks: asyncio.Task[Any]) -> None:
+    await settle(*tasks, expected=(_Refused,))  # a refusal was reported when it was made
 
 
-class Round:
+class _PartRound:
     """One group as this node's reducer sees it: the contributions to its part, and its result. Known
     from a proposal (calls are then held until the local all-reduce begins, or until `expires_at`) or
     from the local all-reduce itself."""
@@ -157,7 +154,7 @@ class Round:
                 receiving.result()  # raises the refusal of a bad chunk
             return await asyncio.shield(self.result)
         finally:
-            await settle(receiving)
+            await _settle(receiving)
 
     async def _receive(self, context: Any, sender: int, weight: float) -> None:
         image = bytearray(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
@@ -179,6 +176,47 @@ class Round:
             return
         self.contributions[sender] = (weight, image)
         self.give_up(sender)
+
+
+class LocalReduction:
+    """The member side's handle on the part this node reduces: the reducer owns the round's state
+    (who called, who may still deliver, the contributions), the member may only wait for them, stop
+    waiting for a member it knows is gone, reduce, and wait until the result went out."""
+
+    def __init__(self, rnd: _PartRound) -> None:
+        self._round = rnd
+
+    @property
+    def part_elements(self) -> int:
+        return int(self._round.own.numel())
+
+    @property
+    def result_bytes(self) -> int:
+        """Payload bytes of this part's average handed to gRPC so far, all callers together."""
+        return self._round.result_bytes
+
+    async def contributions_in(self, deadline: float) -> None:
+        """Waits until every contribution still expected is in, or until the loop time `deadline`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await self._round.all_in.wait()
+
+    def stop_waiting_for(self, sender: int) -> None:
+        """Member `sender` is unreachable: no contribution will come from it (unless its call is open)."""
+        self._round.give_up(sender)
+
+    async def reduce(self, wire_dtype: str) -> Averaged:
+        """Averages the whole contributions in (its own included; any that completes later is left out)
+        on a worker thread; `publish` then answers every caller with it."""
+        contributions = self._round.close()
+        return await asyncio.to_thread(average, contributions, wire_dtype, self.part_elements)
+
+    def publish(self, averaged: Averaged) -> None:
+        self._round.publish(averaged)
+
+    async def delivered(self) -> None:
+        """Waits until every call to this part ended (each caller got the result or went away)."""
+        await self._round.idle.wait()
 
 
 def average(contributions: list[Contribution], wire_dtype: str, n: int) -> Averaged:
@@ -217,10 +255,11 @@ class AveragingServicer:
         ("invalid", "duplicate", "expired", "over")."""
         self.node_id = node_id
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
-        self._rounds: dict[str, Round] = {}
+        self._rounds: dict[str, _PartRound] = {}
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
 
-    def register(self, server: grpc.aio.Server) -> None:
+    def register(self, server: grpc.aio.Server) -> str:
+        """Adds `AveragingService` to the server; returns its name (reported in health and reflection)."""
         handlers = {
             "Propose": grpc.unary_unary_rpc_method_handler(
                 self.Propose,
@@ -236,6 +275,7 @@ class AveragingServicer:
         name = pb.DESCRIPTOR.services_by_name["AveragingService"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
         server.add_registered_method_handlers(name, handlers)
+        return str(name)
 
     def expect(self, spec: GroupSpec) -> bool:
         """Makes the group known here, so that calls for it which arrive before the local all-reduce
@@ -248,24 +288,26 @@ class AveragingServicer:
             return known.spec == spec
         if len(self._rounds) >= MAX_KNOWN_GROUPS or spec.group_id in self._over:
             return False
-        self._rounds[spec.group_id] = Round(
+        self._rounds[spec.group_id] = _PartRound(
             spec, my_index, asyncio.get_running_loop().time() + spec.timeout_s
         )
         return True
 
-    def begin(self, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float) -> Round:
-        """Starts reducing this node's part of the group's all-reduce (the member side calls it, then
-        `end`); ValueError if the group already ran here or is known with another spec."""
+    def begin(self, spec: GroupSpec, my_index: int, delta: torch.Tensor, weight: float) -> LocalReduction:
+        """Starts reducing this node's part of the group's all-reduce and hands the member side a narrow
+        handle on it (the member calls this, then `end`); ValueError if the group already ran here or
+        is known with another spec."""
         self._forget_expired()
-        rnd = self._rounds.get(spec.group_id) or Round(spec, my_index, 0.0)
+        rnd = self._rounds.get(spec.group_id) or _PartRound(spec, my_index, 0.0)
         if rnd.spec != spec or rnd.started.is_set() or spec.group_id in self._over:
             raise ValueError(f"group {spec.group_id} already ran here, or is known with another spec")
         self._rounds[spec.group_id] = rnd
         rnd.start(delta, weight)
-        return rnd
+        return LocalReduction(rnd)
 
-    def end(self, rnd: Round) -> None:
-        """Ends a round that `begin` started: unanswered calls get no average, later ones are refused."""
+    def end(self, reduction: LocalReduction) -> None:
+        """Ends a reduction that `begin` started: unanswered calls get no average, later ones are refused."""
+        rnd = reduction._round
         rnd.publish(_NOT_AVERAGED)
         self._rounds.pop(rnd.spec.group_id, None)
         self._over[rnd.spec.group_id] = None
@@ -319,7 +361,7 @@ class AveragingServicer:
             if rnd is not None and sender >= 0:
                 rnd.detach(sender)
 
-    def _round_for(self, group_id: str) -> Round:
+    def _round_for(self, group_id: str) -> _PartRound:
         self._forget_expired()
         if group_id in self._rounds:
             return self._rounds[group_id]
@@ -343,7 +385,7 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
     return msg.header
 
 
-async def _send_result(context: Any, rnd: Round, averaged: Averaged) -> None:
+async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged) -> None:
     header = pb.AveragedHeader(
         contributors=averaged.contributors,
         part_elements=rnd.part_len,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmnode.core.diloco import AveragedDelta
+from swarmnode.net.rpc import ChannelCache
 from swarmnode.swarm.allreduce import butterfly_allreduce
 from swarmnode.swarm.matchmaking import Matchmaker, Offer
 from swarmnode.swarm.reducer import AveragingServicer
@@ -74,9 +75,11 @@ class SwarmRounds:
         node_id: str,
         min_coverage: float,
         metrics: Metrics,
+        channels: ChannelCache | None = None,
     ) -> None:
+        """`channels`: the node's cached channels to its peers (None: one per call)."""
         self.matchmaker, self.servicer, self.node_id = matchmaker, servicer, node_id
-        self.min_coverage, self.metrics = min_coverage, metrics
+        self.min_coverage, self.metrics, self.channels = min_coverage, metrics, channels
         self._held = 0
 
     async def average(
@@ -171,7 +174,8 @@ class SwarmRounds:
         self, spec: GroupSpec, delta: torch.Tensor, weight: float, started: float
     ) -> RoundResult:
         self.servicer.expect(spec)
-        result = await butterfly_allreduce(self.servicer, spec, spec.index_of(self.node_id), delta, weight)
+        me = spec.index_of(self.node_id)
+        result = await butterfly_allreduce(self.servicer, spec, me, delta, weight, self.channels)
         averaged = result.averaged
         coverage = averaged.coverage
         members = tuple(m.node_id for m in spec.members)

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from swarmnode.util.labels import FetchFailure
+
 
 class ConfigError(ValueError):
     """A flag, variable, TOML key or file a person gave has a bad value; the message is one line naming
     it and the value. The CLI prints it and exits 2."""
+
+
+class PeerFault(Exception):
+    """Something a peer did, or failed to do: it is counted by `reason` (one of `labels.FetchFailure`),
+    logged once and survived. Anything else that goes wrong while talking to a peer is a bug here:
+    logged with its traceback and counted as `internal`, never dressed up as the peer's fault."""
+
+    def __init__(self, reason: FetchFailure, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail

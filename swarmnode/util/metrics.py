@@ -10,32 +10,24 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from swarmnode.util.labels import (
+    DHTReject,
+    FetchFailure,
+    RecoverySource,
+    RoundFailure,
+    SnapshotFailure,
+    SnapshotKind,
+)
+
 STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-SNAPSHOT_KINDS = ("hot", "cold")
-FETCH_FAILURE_REASONS = (
-    "unreachable",
-    "refused",
-    "hash_mismatch",
-    "truncated",
-    "too_large",
-    "timeout",
-    "invalid",
-)
-RECOVERY_SOURCES = ("local", "peer", "fresh")
-DHT_REJECT_REASONS = (
-    "bad_signature",
-    "oversized",
-    "expired",
-    "ttl_too_long",
-    "malformed",
-    "quota",
-    "throttled",
-    "unauthenticated",
-)
-SNAPSHOT_FAILURE_REASONS = ("disk_full", "io_error")
-ROUND_FAILURE_REASONS = ("no_partners", "digest_mismatch", "low_coverage", "partial", "error")
+SNAPSHOT_KINDS = tuple(SnapshotKind)
+FETCH_FAILURE_REASONS = tuple(FetchFailure)
+RECOVERY_SOURCES = tuple(RecoverySource)
+DHT_REJECT_REASONS = tuple(DHTReject)
+SNAPSHOT_FAILURE_REASONS = tuple(SnapshotFailure)
+ROUND_FAILURE_REASONS = tuple(RoundFailure)
 
 
 class Metrics:
@@ -131,17 +123,17 @@ class Metrics:
         )
         self.dht_peers = Gauge("swarmnode_dht_peers", "Nodes in the DHT routing table", registry=r)
         self.dht_rejected = Counter(
-            "swarmnode_dht_rejected_records", "DHT records refused", ["reason"], registry=r
+            "swarmnode_dht_rejected_records", "DHT records and datagrams refused", ["reason"], registry=r
         )
         self.rpc_rejected = Counter(
             "swarmnode_rpc_rejected", "RPCs refused before reaching a handler", ["reason"], registry=r
         )
-        for reason in FETCH_FAILURE_REASONS:
-            self.fetch_failures.labels(reason)
+        for failure in FETCH_FAILURE_REASONS:
+            self.fetch_failures.labels(failure)
         for source in RECOVERY_SOURCES:
             self.recoveries.labels(source)
-        for reason in DHT_REJECT_REASONS:
-            self.dht_rejected.labels(reason)
+        for rejected in DHT_REJECT_REASONS:
+            self.dht_rejected.labels(rejected)
         self.rpc_rejected.labels("unauthenticated")
 
     def _averaging_metrics(self, r: CollectorRegistry) -> None:

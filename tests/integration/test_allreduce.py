@@ -159,6 +159,46 @@ def test_fp32_average_is_the_exact_weighted_average_on_every_member(size: int) -
         assert result.bytes_sent == pytest.approx(2 * (size - 1) / size * 4 * n, abs=8)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_node_opens_one_channel_per_peer_across_rounds(
+    cached: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the node's channel cache, three rounds of a 3-member group open each peer's channel once
+    (one connection and TLS handshake per peer, not per exchange); without it, once per exchange."""
+    opened: list[str] = []
+    real_open = rpc.open_channel
+
+    def counting_open(address: str):  # type: ignore[no-untyped-def]
+        opened.append(address)
+        return real_open(address)
+
+    monkeypatch.setattr(rpc, "open_channel", counting_open)
+    n = 30_000
+    deltas, weights = random_deltas(3, n), [1.0, 1.0, 1.0]
+
+    async def scenario() -> None:
+        async with swarm(3) as nodes:
+            caches = [rpc.ChannelCache() if cached else None for _ in nodes]
+            try:
+                for r in range(3):
+                    spec = group([x.member for x in nodes], group_id=f"g{r}")
+                    await asyncio.gather(
+                        *(
+                            averaging.butterfly_allreduce(
+                                node.servicer, spec, i, deltas[i], weights[i], cache
+                            )
+                            for i, (node, cache) in enumerate(zip(nodes, caches, strict=True))
+                        )
+                    )
+            finally:
+                for cache in caches:
+                    if cache is not None:
+                        await cache.close()
+
+    run(scenario())
+    assert len(opened) == (3 * 2 if cached else 3 * 3 * 2)  # 3 members x 2 peers (x 3 rounds)
+
+
 @pytest.mark.parametrize(("wire_dtype", "atol"), [("bf16", 0.05), ("int8", 0.08)])
 def test_compressed_averages_agree_bitwise_and_stay_near_fp32(wire_dtype: str, atol: float) -> None:
     n, size = 200_003, 3

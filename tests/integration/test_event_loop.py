@@ -23,7 +23,7 @@ from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm import allreduce as averaging
 from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.reducer import AveragingServicer, average
+from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import faults
 
@@ -162,12 +162,12 @@ def test_an_exchange_cancelled_while_its_result_streams_ends_quietly(
                 for message, _ in wire.chunk_messages(codecs.encode(torch.ones(n // 2), "fp32")):
                     await call.write(message)
                 await call.done_writing()
-                await rnd.all_in.wait()
-                rnd.publish(await asyncio.to_thread(average, rnd.close(), "fp32", n // 2))
+                await rnd.contributions_in(asyncio.get_running_loop().time() + 20)
+                rnd.publish(await rnd.reduce("fp32"))
                 assert (await call.read()).HasField("header")
                 await until_stalled(lambda: rnd.result_bytes, least=2 * rpc.CHUNK_BYTES)
                 call.cancel()
-                await asyncio.wait_for(rnd.idle.wait(), 20)  # the reducer's call ended
+                await asyncio.wait_for(rnd.delivered(), 20)  # the reducer's call ended
             assert rnd.result_bytes < 4 * (n // 2)  # it was cancelled mid-stream
             servicer.end(rnd)
         finally:

@@ -648,11 +648,12 @@ def test_extra_servicers_answer_on_the_same_server() -> None:
     async def ping(request: bytes, context: object) -> bytes:
         return b"pong:" + request
 
-    def register_ping(server: grpc.aio.Server) -> None:
+    def register_ping(server: grpc.aio.Server) -> str:
         handler = grpc.unary_unary_rpc_method_handler(ping)  # raw bytes in and out
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("test.Ping", {"Ping": handler}),)
         )
+        return "test.Ping"
 
     async def scenario() -> None:
         async with (
@@ -663,6 +664,45 @@ def test_extra_servicers_answer_on_the_same_server() -> None:
         assert reply == b"pong:hi"
 
     run(scenario)
+
+
+def test_stock_tools_see_every_service_by_reflection_and_health() -> None:
+    """grpcurl-style discovery: reflection lists the API without the .proto files, and the health
+    service reports the averaging service as well as the snapshot service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from swarmnode.swarm.reducer import AveragingServicer
+
+    found: dict[str, object] = {}
+
+    def reflect(address: str) -> None:  # the reflection client is synchronous: off the server's loop
+        with grpc.insecure_channel(address) as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            found["services"] = set(database.get_services())
+            proto = database.FindFileContainingSymbol("swarmnode.v1.AveragingService")
+            found["methods"] = {m.name for m in proto.service[0].method}
+
+    async def scenario() -> None:
+        averaging = AveragingServicer("0a")
+        async with serving([], extra_servicers=[averaging.register]) as (_, address):
+            await asyncio.to_thread(reflect, address)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                found["health"] = [
+                    (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+                    for name in ("swarmnode.v1.SnapshotService", "swarmnode.v1.AveragingService")
+                ]
+
+    run(scenario)
+    services, answers, methods = found["services"], found["health"], found["methods"]
+    assert {
+        "swarmnode.v1.SnapshotService",
+        "swarmnode.v1.AveragingService",
+        "grpc.health.v1.Health",
+    } <= services
+    assert answers == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert methods == {"Propose", "Exchange"}
 
 
 # --- CLI helpers -------------------------------------------------------------------------------------

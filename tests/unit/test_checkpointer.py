@@ -237,3 +237,16 @@ def test_a_hash_valid_file_with_a_malformed_field_is_quarantined_with_one_warnin
     assert bad.with_name(bad.name + ".corrupt").exists()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and field in warnings[0], warnings
+
+
+def test_the_training_runs_metadata_reads_back_field_for_field() -> None:
+    """The fields are declared once (StateMetadata): what a run writes is what a reader validates."""
+    import dataclasses
+
+    from swarmnode.bench.runner import trained_run
+    from swarmnode.snapshot.metadata import SnapshotMetadata, StateMetadata
+
+    written = trained_run("tiny", 2, 64, 2).state_metadata()
+    read = SnapshotMetadata.parse({**written, "kind": "hot", "layout": "planes"})
+    assert {f.name for f in dataclasses.fields(StateMetadata)} == set(written)
+    assert StateMetadata(**{k: getattr(read, k) for k in written}).to_dict() == written

@@ -21,16 +21,8 @@ from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
-from swarmnode.net import dht, dht_records
-from swarmnode.net.dht import (
-    MAX_ANSWER_ENTRY_BYTES,
-    MAX_VERIFYING_PER_SOURCE,
-    DHTConfig,
-    SwarmDHT,
-    SwarmProtocol,
-    datagram_tag,
-    parse_peer,
-)
+from swarmnode.net import dht, dht_records, kademlia_adapter
+from swarmnode.net.dht import DHTConfig, SwarmDHT, parse_peer
 from swarmnode.net.dht_records import (
     CLOCK_SKEW_S,
     MAX_RECORD_BYTES,
@@ -47,6 +39,12 @@ from swarmnode.net.dht_records import (
     sign_entry,
 )
 from swarmnode.net.identity import Identity
+from swarmnode.net.kademlia_adapter import (
+    MAX_ANSWER_ENTRY_BYTES,
+    MAX_VERIFYING_PER_SOURCE,
+    SwarmProtocol,
+    datagram_tag,
+)
 from swarmnode.net.security import Security
 from swarmnode.util.metrics import DHT_REJECT_REASONS
 
@@ -667,7 +665,7 @@ class Forger(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.key is not None:
-            data, tag = data[: -dht.TAG_BYTES], data[-dht.TAG_BYTES :]
+            data, tag = data[: -kademlia_adapter.TAG_BYTES], data[-kademlia_adapter.TAG_BYTES :]
             assert tag == datagram_tag(self.key, data), "a datagram with a bad tag"
         kind, msg_id, body = data[:1], data[1:21], umsgpack.unpackb(data[21:])
         if kind == b"\x01":
@@ -885,7 +883,7 @@ def test_a_flood_of_forged_pings_does_not_slow_honest_publish_and_get() -> None:
 
 def test_stranger_tokens_refill_at_their_rate_per_source() -> None:
     clock = FakeClock()
-    buckets = dht._TokenBuckets(rate_per_s=10.0, burst=3, max_sources=2, clock=clock)
+    buckets = kademlia_adapter._TokenBuckets(rate_per_s=10.0, burst=3, max_sources=2, clock=clock)
     assert [buckets.take("a") for _ in range(4)] == [True, True, True, False]
     assert buckets.take("b")  # another source has its own bucket
     clock.now += 0.1
@@ -947,6 +945,7 @@ def test_a_stock_kademlia_node_bootstraps_from_a_node_without_a_token() -> None:
                     return node.contacts() == {stock.node.id: ("127.0.0.1", port)}
 
                 await eventually(verified)
+                assert await stock.get("swarmnode/run-1/nothing-held") is None  # not a TypeError
             finally:
                 stock.stop()
 

@@ -101,3 +101,45 @@ def test_a_lone_node_is_not_told_it_missed_a_round() -> None:
 
     outcome = asyncio.run(scenario())
     assert outcome.group is None and not outcome.missed and "no partner" in outcome.reason
+
+
+def test_a_node_whose_peers_offer_for_a_later_round_knows_at_once_it_missed_its_round() -> None:
+    """A repaired node that adopted a round the swarm has since closed (its peers' offers are for the
+    next one) reports the round missed within a poll, rather than wait out its deadline alone and
+    fall further behind: in a fast swarm that wait is several rounds."""
+
+    async def scenario() -> tuple[Outcome, float]:
+        a, b, late = swarm(3, timeout_s=30.0)
+        pending = [offer(a, 6, {b, late}), offer(b, 6, {a, late})]
+        await asyncio.sleep(0.05)  # both offers for round 6 are in the DHT
+        started = asyncio.get_running_loop().time()
+        outcome = await offer(late, 5, {a, b})
+        elapsed = asyncio.get_running_loop().time() - started
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return outcome, elapsed
+
+    outcome, elapsed = asyncio.run(scenario())
+    assert outcome.group is None and outcome.missed, outcome
+    assert "already offer for round 6" in outcome.reason
+    assert elapsed < 5.0, f"waited {elapsed:.1f} s of a 30 s deadline"
+
+
+def test_one_peer_offering_for_a_later_round_does_not_end_the_others_round() -> None:
+    """One peer (a node that went on alone, or a forged offer) ahead of the round is not the swarm: the
+    others still form their group."""
+
+    async def scenario() -> list[Outcome]:
+        a, b, c, ahead = swarm(4, timeout_s=1.0)
+        pending_ahead = offer(ahead, 9, {a, b, c})
+        await asyncio.sleep(0.05)
+        everyone = {a, b, c, ahead}
+        outcomes = await asyncio.gather(*(offer(n, 4, everyone - {n}) for n in (a, b, c)))
+        await pending_ahead
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert not any(o.missed for o in outcomes), outcomes
+    spec = outcomes[0].group
+    assert spec is not None and len(spec.members) == 3 and all(o.group == spec for o in outcomes)

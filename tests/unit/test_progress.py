@@ -63,7 +63,7 @@ def test_holding_and_waiting_for_the_swarm_have_phases_of_their_own() -> None:
     from swarmnode.swarm.rounds import RoundResult
 
     held = RoundResult(None, ("n1",), coverage=0.0, held=True)
-    offer = Offer("n2", "h:1", 1.0, "0" * 64, "0" * 64, 1.0, None, 3)
+    offer = Offer("0a", "h:1", 1.0, "0" * 64, "0" * 64, 1.0, None, 3)
     assert phase_before_round(held) == Phase.HOLDING
     assert phase_before_round(dataclasses.replace(held, missed=True)) == Phase.WAITING_FOR_SWARM
     assert phase_before_round(RoundResult(None, repair_from=(offer,))) == Phase.WAITING_FOR_SWARM

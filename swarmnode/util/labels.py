@@ -1,0 +1,74 @@
+"""The small fixed vocabularies that label metrics, ledger entries and receipts, declared once: the
+modules that own each concept use these enums, and the metrics pre-register every value."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SnapshotKind(StrEnum):
+    """Hot snapshots are speculative and frequent, cold ones fsynced after an outer step."""
+
+    HOT = "hot"
+    COLD = "cold"
+
+
+class RecoverySource(StrEnum):
+    """Where a start's state came from."""
+
+    LOCAL = "local"
+    PEER = "peer"
+    FRESH = "fresh"
+
+
+class CursorSource(StrEnum):
+    """Where a restored node's data cursor came from."""
+
+    OWN_SNAPSHOT = "own_snapshot"
+    ANNOUNCEMENT = "announcement"
+    ROUND_METADATA = "round_metadata"
+    FRESH = "fresh"
+
+
+class FetchFailure(StrEnum):
+    """Why a snapshot fetch (or a recovery candidate) from a peer was given up."""
+
+    UNREACHABLE = "unreachable"
+    REFUSED = "refused"
+    HASH_MISMATCH = "hash_mismatch"
+    TRUNCATED = "truncated"
+    TOO_LARGE = "too_large"
+    TIMEOUT = "timeout"
+    INVALID = "invalid"
+    INTERNAL = "internal"
+    """Not the peer's fault: a bug here, logged with its traceback."""
+
+
+class DHTReject(StrEnum):
+    """Why a DHT entry or datagram was refused."""
+
+    BAD_SIGNATURE = "bad_signature"
+    OVERSIZED = "oversized"
+    EXPIRED = "expired"
+    TTL_TOO_LONG = "ttl_too_long"
+    MALFORMED = "malformed"
+    QUOTA = "quota"
+    THROTTLED = "throttled"
+    """A request from a sender that is not a verified contact, over its source's rate."""
+    UNAUTHENTICATED = "unauthenticated"
+    """A datagram of a token swarm without a valid tag."""
+
+
+class SnapshotFailure(StrEnum):
+    DISK_FULL = "disk_full"
+    IO_ERROR = "io_error"
+
+
+class RoundFailure(StrEnum):
+    """Why a round fell short."""
+
+    NO_PARTNERS = "no_partners"
+    DIGEST_MISMATCH = "digest_mismatch"
+    LOW_COVERAGE = "low_coverage"
+    PARTIAL = "partial"
+    ERROR = "error"

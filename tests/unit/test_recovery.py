@@ -1,0 +1,57 @@
+"""Recovery's failure semantics: a peer's fault is counted by its reason; a bug here is counted as
+`internal` and logged with its traceback, never dressed up as the peer's fault; the next candidate is
+tried either way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from swarmnode.bench.runner import trained_run
+from swarmnode.net.rpc import PeerUnavailable
+from swarmnode.swarm.announcements import Announcement
+from swarmnode.swarm.recovery import Recovery
+from swarmnode.util.threads import TrainingThread
+
+
+def announcement(node: str, outer_step: int) -> Announcement:
+    return Announcement(node * 20, "127.0.0.1:9", "a" * 64, 1000, outer_step, 10, "hot", 1.0, "b" * 64)
+
+
+def recover_with(fetch: Callable[[Announcement, Callable[[bytes], Awaitable[None]]], Awaitable[str]]):
+    reasons: list[str] = []
+    run = trained_run("tiny", 0, 64, 2)
+    training = TrainingThread()
+    try:
+        recovery = Recovery(run, training, fetch, reasons.append)
+        peers = [announcement("0a", 3), announcement("0b", 2)]
+        receipt = asyncio.run(recovery.recover(peers, None, [], 0.0))
+    finally:
+        training.close()
+    return receipt, reasons
+
+
+def test_a_peer_that_is_unreachable_is_counted_by_its_reason_and_the_next_tried() -> None:
+    tried: list[str] = []
+
+    async def fetch(peer: Announcement, on_data: Callable[[bytes], Awaitable[None]]) -> str:
+        tried.append(peer.node_id)
+        raise PeerUnavailable("unreachable", "nobody home")
+
+    receipt, reasons = recover_with(fetch)
+    assert reasons == ["unreachable", "unreachable"] and tried == ["0a" * 20, "0b" * 20]
+    assert receipt.source == "fresh" and len(receipt.failed_candidates) == 2
+
+
+def test_a_bug_while_recovering_is_internal_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    async def fetch(peer: Announcement, on_data: Callable[[bytes], Awaitable[None]]) -> str:
+        raise TypeError("a bug of ours")
+
+    with caplog.at_level("ERROR"):
+        receipt, reasons = recover_with(fetch)
+    assert reasons == ["internal", "internal"]
+    tracebacks = [r for r in caplog.records if r.exc_info and "failed unexpectedly" in r.getMessage()]
+    assert len(tracebacks) == 2 and isinstance(tracebacks[0].exc_info[1], TypeError)  # type: ignore[index]
+    assert receipt.source == "fresh"
