@@ -62,6 +62,8 @@ def format_status(status: NodeStatus) -> str:
         f"{status.tokens_per_s:.0f} tokens/s",
         f"cursor {cursor}  peers {status.peers}  digest {status.global_digest or '-'}",
     ]
+    if status.reachability:
+        lines.append(f"reachability {status.reachability}")
     if status.last_group:
         lines.append(
             f"last round: group of {len(status.last_group)}, coverage {status.last_coverage}, "

@@ -70,6 +70,8 @@ class DHTConfig:
     """How long one request waits for its reply."""
     republish_interval_s: float | None = None
     """How often own records are re-announced; never less often than a third of a record's TTL."""
+    client_mode: bool = False
+    """Start as a client (a node peers cannot reach): see ``SwarmDHT.set_client_mode``."""
     datagram_key: bytes | None = field(default=None, repr=False)
     """A token swarm's key (``Security.dht_datagram_key``): every datagram is tagged with it and every one
     received without a valid tag is dropped. None: stock rpcudp datagrams."""
@@ -160,6 +162,7 @@ class SwarmDHT:
         self._own: dict[bytes, _OwnRecord] = {}
         self._last_seq = 0
         self._wake = asyncio.Event()
+        self._client_mode = config.client_mode
 
     async def start(self, bootstrap: Sequence[str]) -> None:
         """Listen on the configured UDP port and join the swarm through ``bootstrap`` (``host:port``).
@@ -172,6 +175,7 @@ class SwarmDHT:
         server = self._make_server()
         await server.listen(self._config.port, self._config.host)
         self._server = server
+        server.protocol.client_mode = self._client_mode
         self._tasks = [
             asyncio.create_task(self._maintenance_loop(), name="dht-maintenance"),
             asyncio.create_task(self._reannounce_loop(), name="dht-reannounce"),
@@ -244,6 +248,18 @@ class SwarmDHT:
             await server.protocol.aclose()
             server.stop()
             await asyncio.sleep(0)  # let the transport call connection_lost
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    def set_client_mode(self, client: bool) -> None:
+        """A client (peers cannot reach it) queries and stores through others but is never put in their
+        routing tables: its requests name no node id and it answers none (kademlia_adapter.py). Leaving
+        client mode makes this node a contact again from its next requests on (peers verify it then)."""
+        self._client_mode = client
+        if self._server is not None:
+            self._server.protocol.client_mode = client
 
     @property
     def port(self) -> int:

@@ -45,6 +45,11 @@ id claimed elsewhere is held at the claimer's address until the old address answ
 swarm's datagrams can be replayed by an on-path observer (answers match only our own pending msg ids); a
 node joining from the same IP as an ongoing flood of strangers may be throttled until it ends; and
 kademlia's ``RoutingTable.add_contact`` still pings a full bucket's head with a fire-and-forget future.
+- client mode (``SwarmProtocol.client_mode``, a node peers cannot reach: README "Behind NAT"), as
+  Kademlia's and hivemind's client nodes: its requests name no node id (nil where the sender's id goes),
+  so no receiver schedules it for verification or puts it in a routing table, and it answers no
+  requests; it still bootstraps, crawls, stores and looks up through others. Anonymous requests are
+  answered (``rpc_store`` validates the signed entry as always) within the strangers' rate of their IP.
 - FIND_VALUE for a key we hold nothing under answers as the stock protocol expects (the list of our
   closest contacts), so a stock kademlia client's ``get`` finds nothing instead of raising TypeError.
 """
@@ -353,6 +358,8 @@ class SwarmProtocol(KademliaProtocol):
         self._slots = _VerificationSlots(
             MAX_VERIFYING_PER_SOURCE, MAX_VERIFYING, VERIFY_RETRY_S, MAX_TRACKED_SOURCES
         )
+        self.client_mode = False
+        """True: requests carry no node id and requests from others are not answered (see above)."""
         self.twins: set[tuple[str, int]] = set()
         """Addresses of other processes that answered our ping with our own node id (one identity key
         in two processes: the node refuses to go on, see `SwarmDHT.twin_addresses`)."""
@@ -367,6 +374,11 @@ class SwarmProtocol(KademliaProtocol):
         if self._on_reject is not None:
             self._on_reject(reason)
 
+    @property
+    def sender_id(self) -> bytes | None:
+        """The node id our requests name: none in client mode."""
+        return None if self.client_mode else bytes(self.source_node.id)
+
     def connection_made(self, transport: Any) -> None:
         super().connection_made(
             transport if self._datagram_key is None else _TaggingTransport(transport, self._datagram_key)
@@ -380,11 +392,13 @@ class SwarmProtocol(KademliaProtocol):
         return node_id
 
     def rpc_store(self, sender: tuple[str, int], nodeid: object, key: object, value: object) -> bool:
-        """Store one signed entry after validating it; True when it is held (now or already)."""
+        """Store one signed entry after validating it; True when it is held (now or already). A
+        client's store names no sender (its entry is signed all the same)."""
         source = _contact(sender, nodeid)
-        if source is None or not _is_node_id(key):
+        if (source is None and nodeid is not None) or not _is_node_id(key):
             return False
-        self._note_sender(source)
+        if source is not None:
+            self._note_sender(source)
         try:
             entry = decode_and_verify_entry(key, value, clock.now())
         except EntryRejected as exc:
@@ -398,9 +412,10 @@ class SwarmProtocol(KademliaProtocol):
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: object, key: object) -> list[tuple[Any, ...]]:
         source = _contact(sender, nodeid)
-        if source is None or not _is_node_id(key):
+        if (source is None and nodeid is not None) or not _is_node_id(key):
             return []
-        self._note_sender(source)
+        if source is not None:
+            self._note_sender(source)
         neighbors = self.router.find_neighbors(Node(key), exclude=source)
         return [tuple(n) for n in neighbors]
 
@@ -442,7 +457,7 @@ class SwarmProtocol(KademliaProtocol):
         failure, too many pending for its IP or in all)."""
         if node.id == self.source_node.id or not self._slots.acquire(node):
             return
-        answer = self._request((node.ip, node.port), self._wait_timeout, "ping", self.source_node.id)
+        answer = self._request((node.ip, node.port), self._wait_timeout, "ping", self.sender_id)
         self._spawn(self._await_verification(node, answer))
 
     async def _await_verification(self, node: Node, answer: asyncio.Future[tuple[bool, Any]]) -> None:
@@ -468,7 +483,7 @@ class SwarmProtocol(KademliaProtocol):
         back and the new address counts as failed: a live node's id claimed elsewhere (a restarted node's
         old address no longer answers, so its move stands)."""
         address = (previous.ip, previous.port)
-        ok, node_id = await self._request(address, self._wait_timeout, "ping", self.source_node.id)
+        ok, node_id = await self._request(address, self._wait_timeout, "ping", self.sender_id)
         if ok and node_id == previous.id and self.is_verified(moved):
             logger.warning(
                 "DHT node %s: %s claimed the id of live contact %s",
@@ -482,7 +497,7 @@ class SwarmProtocol(KademliaProtocol):
     async def identify(self, address: tuple[str, int]) -> Node | None:
         """Ping ``address`` (a bootstrap peer) and admit whoever answers with a node id: its answer to our
         own ping proves that id there. None when nothing answers in time, or not with a node id."""
-        ok, node_id = await self._request(address, self._wait_timeout, "ping", self.source_node.id)
+        ok, node_id = await self._request(address, self._wait_timeout, "ping", self.sender_id)
         if not ok or not _is_node_id(node_id):
             return None
         if node_id == self.source_node.id:
@@ -587,6 +602,8 @@ class SwarmProtocol(KademliaProtocol):
     async def _accept_request(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
         """Answer a request, unless it is a stranger's over its source's rate: dropped unanswered and
         counted as ``throttled``."""
+        if self.client_mode:
+            return  # a client serves no one; a peer that still knew it as a contact times out
         if not self._admits(data, address):
             self.report_rejection(DHTReject.THROTTLED, address, "a request")
             return
@@ -625,25 +642,25 @@ class SwarmProtocol(KademliaProtocol):
 
     async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> tuple[bool, Any]:
         address, timeout_s = (node_to_ask.ip, node_to_ask.port), self._crawl_timeout(node_to_ask)
-        result = await self._request(address, timeout_s, "find_node", self.source_node.id, node_to_find.id)
+        result = await self._request(address, timeout_s, "find_node", self.sender_id, node_to_find.id)
         return self.handle_call_response(result, node_to_ask)
 
     async def call_find_value(self, node_to_ask: Node, node_to_find: Node) -> tuple[bool, Any]:
         address, timeout_s = (node_to_ask.ip, node_to_ask.port), self._crawl_timeout(node_to_ask)
-        result = await self._request(address, timeout_s, "find_value", self.source_node.id, node_to_find.id)
+        result = await self._request(address, timeout_s, "find_value", self.sender_id, node_to_find.id)
         return self.handle_call_response(result, node_to_ask)
 
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
         """Ping ``node_to_ask``; an answer with another id than the one asked counts as none."""
         address = (node_to_ask.ip, node_to_ask.port)
-        result = await self._request(address, self._wait_timeout, "ping", self.source_node.id)
+        result = await self._request(address, self._wait_timeout, "ping", self.sender_id)
         if result[0] and result[1] != node_to_ask.id:
             result = (False, None)
         return self.handle_call_response(result, node_to_ask)
 
     async def call_store(self, node_to_ask: Node, key: bytes, value: bytes) -> tuple[bool, Any]:
         address = (node_to_ask.ip, node_to_ask.port)
-        result = await self._request(address, self._wait_timeout, "store", self.source_node.id, key, value)
+        result = await self._request(address, self._wait_timeout, "store", self.sender_id, key, value)
         return self.handle_call_response(result, node_to_ask)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -116,6 +116,8 @@ class NodeStatus:
     last_coverage: float | None = None
     last_allreduce_s: float | None = None
     repairs: int = 0
+    reachability: str = ""
+    """"reachable" or "client" (README "Behind NAT"); "" from an older node."""
 
 
 def meta_to_pb(meta: SnapshotMeta | SnapshotInfo) -> pb.SnapshotMeta:
@@ -149,7 +151,7 @@ def meta_from_pb(msg: pb.SnapshotMeta) -> SnapshotMeta:
 _OPTIONAL_STATUS_FIELDS = ("last_loss", "last_coverage", "last_allreduce_s")
 _PLAIN_STATUS_FIELDS = (
     *("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step"),
-    *("tokens_per_s", "peers", "global_digest", "repairs"),
+    *("tokens_per_s", "peers", "global_digest", "repairs", "reachability"),
 )
 
 

@@ -26,6 +26,7 @@ from swarmnode.util.validate import parse_host_port
 
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
+REACHABLE_SETTINGS = ("auto", "yes", "no")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class NodeConfig:
     allreduce_timeout_s: float = 30.0
     wire_dtype: str = "bf16"
     min_coverage: float = 0.5
+    reachable: str = "auto"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -336,6 +338,13 @@ FLAGS: tuple[Flag, ...] = (
         "min_coverage",
         _fraction,
         "below this averaged fraction of the pseudo-gradient the outer step is skipped (local progress kept)",
+    ),
+    Flag(
+        "reachable",
+        _choice(REACHABLE_SETTINGS),
+        "whether peers can dial this node: auto asks peers to dial it back; no: a client behind NAT "
+        "(trains and averages, never reduces or serves)",
+        choices=REACHABLE_SETTINGS,
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),

@@ -196,7 +196,10 @@ class Node:
             uptime_s=lambda: time.time() - board.started_at,
             on_duplicate=self._on_duplicate,
             channels=services.channels,
+            reachable=services.reachability.reachable,
         )
+        self.reachability = services.reachability
+        board.reachability = lambda: str(self.reachability.mode)
         self.recovery = Recovery(
             parts.run,
             training,
@@ -210,14 +213,19 @@ class Node:
     async def run(self) -> int:
         self._install_signal_handlers()
         await self._wait_for_peers()
-        await self._recover()
-        reporter = asyncio.create_task(
-            report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
-        )
+        await self.reachability.probe()  # before anything is announced, offered or fetched
+        prober = asyncio.create_task(self.reachability.run(), name="reachability")
         try:
-            await self._round_loop()
+            await self._recover()
+            reporter = asyncio.create_task(
+                report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
+            )
+            try:
+                await self._round_loop()
+            finally:
+                reporter.cancel()
         finally:
-            reporter.cancel()
+            prober.cancel()
         await self.training.run(self._final_snapshot)
         if self._pending_receipt is not None:  # stopped before a single inner step
             self._write_receipt(self._pending_receipt)

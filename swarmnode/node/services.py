@@ -1,9 +1,10 @@
 """The node's services and what they report.
 
-`start_services` starts the Prometheus endpoint, the gRPC server (snapshots, status, averaging) and the
-DHT, and builds the round machinery on them; each service's stop goes on the caller's exit stack, so it
-runs on every way out. Once they listen, DATA_DIR/node.json tells scripts and tests the ports the node
-picked. `StatusBoard` answers the gRPC status call and fills the progress line.
+`start_services` starts the Prometheus endpoint, the gRPC server (snapshots, status, averaging, the
+dial-back probe) and the DHT (as a client when the node starts as one, README "Behind NAT"), and builds
+the round machinery and the reachability monitor on them; each service's stop goes on the caller's exit
+stack, so it runs on every way out. Once they listen, DATA_DIR/node.json tells scripts and tests the
+ports the node picked. `StatusBoard` answers the gRPC status call and fills the progress line.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ from prometheus_client import start_http_server
 from swarmnode.core.training import TrainingRun, TrainingSample
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.net.dht import DHTConfig, SwarmDHT
+from swarmnode.net.dial_back import DialBackServicer
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.snapshot.checkpointer import SpeculativeCheckpointer
-from swarmnode.swarm.allreduce import propose_group
+from swarmnode.swarm.allreduce import fetch_group, propose_group
 from swarmnode.swarm.matchmaking import Matchmaker
+from swarmnode.swarm.reachability import ReachabilityMonitor, initial_mode
 from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.rounds import RoundResult, SwarmRounds
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util import clock, faults
 from swarmnode.util.errors import ConfigError
+from swarmnode.util.labels import Reachability
 from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,8 @@ class Services:
     rounds: SwarmRounds
     channels: rpc.ChannelCache
     """Client channels to peers, reused by the all-reduce, proposals, fetches and probes."""
+    reachability: ReachabilityMonitor
+    """This node's mode (reachable or client) and its dial-back probes."""
 
 
 class _Proposals:
@@ -69,6 +75,11 @@ class _Proposals:
 
     async def __call__(self, spec: GroupSpec) -> bool:
         return self.matchmaker is not None and await self.matchmaker.on_proposal(spec)
+
+    async def led_group(self, run_id: str, outer_step: int, wait_s: float) -> GroupSpec | None:
+        if self.matchmaker is None:
+            return None
+        return await self.matchmaker.led_group(run_id, outer_step, wait_s)
 
 
 async def start_services(
@@ -93,25 +104,43 @@ async def start_services(
     stack.push_async_callback(asyncio.to_thread, checkpointer.close)  # after the server that serves it
     proposals = _Proposals()
     averaging = AveragingServicer(
-        node_id, on_proposal=proposals, on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc()
+        node_id,
+        on_proposal=proposals,
+        on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
+        led_group=proposals.led_group,
     )
+    dial_back = DialBackServicer(on_dial=lambda result: metrics.dial_backs.labels(result).inc())
+    mode = initial_mode(cfg.reachable, bool(cfg.peers))
     dht = SwarmDHT(  # wired now (the status reads its peer count), started after the gRPC server
         identity,
-        DHTConfig(host=cfg.host, port=cfg.dht_port, datagram_key=security.dht_datagram_key()),
+        DHTConfig(
+            host=cfg.host,
+            port=cfg.dht_port,
+            datagram_key=security.dht_datagram_key(),
+            client_mode=mode == Reachability.CLIENT,
+        ),
         on_reject=lambda reason: metrics.dht_rejected.labels(reason).inc(),
     )
 
     def status_now() -> rpc.NodeStatus:
         return status(dht.peer_count())
 
-    ports.grpc = await _start_rpc(stack, cfg, checkpointer, metrics, security, averaging, status_now)
+    servicers = (averaging.register, dial_back.register)
+    ports.grpc = await _start_rpc(stack, cfg, checkpointer, metrics, security, servicers, status_now)
     await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
     address = f"{cfg.advertised_host}:{ports.grpc}"
-    proposals.matchmaker = matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels)
+    reachability = ReachabilityMonitor(
+        *(cfg.reachable, mode, node_id, ports.grpc, dht, dht_run, run_digest),
+        on_probe=lambda result: metrics.probes.labels(result).inc(),
+        on_mode=metrics.set_reachability,
+        channels=channels,
+    )
+    matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels, reachability)
+    proposals.matchmaker = matchmaker
     rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
-    return Services(ports, address, dht, rounds, channels)
+    return Services(ports, address, dht, rounds, channels, reachability)
 
 
 def _matchmaker(
@@ -122,6 +151,7 @@ def _matchmaker(
     dht_run: str,
     run_digest: str,
     channels: rpc.ChannelCache,
+    reachability: ReachabilityMonitor,
 ) -> Matchmaker:
     return Matchmaker(
         dht,
@@ -133,6 +163,8 @@ def _matchmaker(
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
         functools.partial(propose_group, channels=channels),
+        reachable=reachability.reachable,
+        fetch_group=functools.partial(fetch_group, channels=channels),
     )
 
 
@@ -166,7 +198,7 @@ async def _start_rpc(
     checkpointer: SpeculativeCheckpointer,
     metrics: Metrics,
     security: Security,
-    averaging: AveragingServicer,
+    servicers: tuple[Callable[[Any], str | None], ...],
     status: Callable[[], rpc.NodeStatus],
 ) -> int:
     def on_served(snapshot_id: str) -> None:
@@ -184,7 +216,7 @@ async def _start_rpc(
             max_serving=cfg.max_serving,
             max_serving_per_peer=cfg.max_serving_per_peer,
             on_served=on_served,
-            extra_servicers=[averaging.register],
+            extra_servicers=servicers,
             faults=serve_faults(),
             security=security,
             on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
@@ -280,6 +312,8 @@ class StatusBoard:
     phase: Phase = Phase.STARTING
     last_round: RoundResult | None = None
     repairs: int = 0
+    reachability: Callable[[], str] = lambda: ""
+    """This node's mode now ("reachable" or "client")."""
 
     def status(self, sample: TrainingSample, peers: int) -> rpc.NodeStatus:
         """The gRPC status answer: the training thread's published sample and this board."""
@@ -295,6 +329,7 @@ class StatusBoard:
             cursor=rpc.CursorStatus(*sample.cursor),
             peers=peers,
             global_digest=sample.global_digest,
+            reachability=self.reachability(),
             **_round_status(self.last_round, self.repairs),
         )
 

@@ -1,7 +1,9 @@
 """Butterfly all-reduce of DiLoCo pseudo-gradients over gRPC, with failure handling (the butterfly of
 Moshpit SGD and hivemind's AllReduceRunner; the wire contract is averaging.proto).
 
-The flat Δ (n values) of each member is cut into N = len(members) parts, part k = [k·n/N, (k+1)·n/N).
+The flat Δ (n values) of each member is cut into one part per reducer: with every member reachable,
+N = len(members) parts, part k = [k·n/N, (k+1)·n/N); a client member (README "Behind NAT") reduces
+nothing and is never called, it only calls the reducers (`GroupSpec.part_range`).
 Member k reduces part k: every other member streams its part k to it (`Exchange`, one call per pair),
 it averages the contributions that arrived complete, weighted by tokens (fp32 accumulation), and sends
 the average back on each call in the group's wire dtype (`wire.py`). Everyone, the reducer included,
@@ -130,7 +132,7 @@ class _Butterfly:
     ) -> None:
         self.servicer, self.spec, self.me, self.delta, self.weight = servicer, spec, my_index, delta, weight
         self.channels = channels
-        self.peers = [k for k in range(len(spec.members)) if k != my_index]
+        self.peers = [k for k in spec.reducers if k != my_index]
         now = asyncio.get_running_loop().time()
         self.deadline, self.collect_deadline = now + spec.timeout_s, now + COLLECT_SHARE * spec.timeout_s
         self.images: dict[int, memoryview] = {}
@@ -139,6 +141,8 @@ class _Butterfly:
         self.bytes_sent, self.parts_out = 0, 0
         self.sends_over: set[int] = set()
         self.sends_done = asyncio.Event()
+        if not self.peers:  # the only reducer (every other member a client): nothing to send
+            self.sends_done.set()
 
     async def run(self) -> AllReduceResult:
         started = time.monotonic()
@@ -148,7 +152,8 @@ class _Butterfly:
             self.images = await asyncio.to_thread(self._encode_parts)
             await faults.ahit("allreduce_send")  # before the first part
             tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
-            tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
+            if self.spec.reduces(self.me):
+                tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
             await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
         finally:
             await settle(*tasks)
@@ -343,3 +348,28 @@ async def propose_group(
     if not reply.accepted:
         logger.info("%s declined group %s: %s", address, spec.group_id, reply.reason)
     return bool(reply.accepted)
+
+
+async def fetch_group(
+    address: str,
+    run_id: str,
+    outer_step: int,
+    node_id: str,
+    timeout_s: float,
+    channels: rpc.ChannelCache | None = None,
+) -> GroupSpec | bool | None:
+    """A client member asks the leader at HOST:PORT for the group it froze in `outer_step`: the group;
+    False when the leader froze one without this node; None when it has none (yet) or failed."""
+    request = pb.AwaitGroupRequest(run_id=run_id, round=outer_step, node_id=node_id)
+    try:
+        async with rpc.peer_channel(address, channels) as channel:
+            reply = await pb_grpc.AveragingServiceStub(channel).AwaitGroup(request, timeout=timeout_s)
+        return wire.spec_from_pb(reply)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return False
+        logger.debug("group of round %d from %s not known: %s", outer_step, address, exc.code().name)
+        return None
+    except ValueError as exc:
+        logger.info("leader %s sent a malformed group: %s", address, exc)
+        return None

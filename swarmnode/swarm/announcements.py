@@ -1,7 +1,8 @@
 """What a node announces in the DHT about its snapshots, and how a reader checks what peers announced.
 
 Under `swarmnode/<run>/snapshots` each node keeps one signed entry (the DHT layer proves who wrote it):
-its advertised gRPC address, its newest snapshot (id, size, steps, kind, created-at), its data cursor and
+its advertised gRPC address (none for a client, which nobody can dial: README "Behind NAT"), its
+reachability, its newest snapshot (id, size, steps, kind, created-at), its data cursor and
 its run digest. A signature only proves authorship: the content is still checked field by field when it
 is decoded (`Announcement.from_entry`), since a peer is never trusted.
 """
@@ -37,9 +38,12 @@ class Announcement(msgspec.Struct, frozen=True):
     created_at: float = msgspec.field(name="t")
     run_digest: str = msgspec.field(name="run")
     cursor: dict[str, int] | None = msgspec.field(name="cur", default=None)
+    reachable: bool = msgspec.field(name="r", default=True)
+    """False: a client; it serves no one, so its address is empty."""
 
     def __post_init__(self) -> None:
-        parse_host_port(self.address)
+        if self.reachable or self.address:
+            parse_host_port(self.address)
         if self.cursor is not None:
             parse_cursor(self.cursor)
         if min(self.size_bytes, self.outer_step, self.inner_step) < 0:
@@ -50,6 +54,11 @@ class Announcement(msgspec.Struct, frozen=True):
             raise ValueError("not a node id")
 
     @property
+    def serves(self) -> bool:
+        """Whether peers may fetch from this node (a client's snapshots serve its own restarts only)."""
+        return self.reachable and bool(self.address)
+
+    @property
     def freshness(self) -> tuple[int, int]:
         return self.outer_step, self.inner_step
 
@@ -58,6 +67,8 @@ class Announcement(msgspec.Struct, frozen=True):
         value: dict[str, Any] = msgspec.to_builtins(self)
         del value["node"]
         value["t"] = round(self.created_at, 3)
+        if self.reachable:
+            del value["r"]  # as before clients existed
         return value
 
     @classmethod

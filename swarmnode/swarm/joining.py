@@ -45,6 +45,7 @@ async def restore_at_start(
     await membership.refuse_if_duplicate()  # before anything of this node's is announced or fetched
     local = await asyncio.to_thread(checkpointer.scan)
     peers, own = await membership.announcements()
+    peers = [p for p in peers if p.serves]  # a client's snapshots serve its own restarts only
     lookup_s = time.perf_counter() - started
     receipt = await recovery.recover(peers, own, local, lookup_s)
     receipt.seconds = time.perf_counter() - started

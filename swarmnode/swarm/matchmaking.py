@@ -9,6 +9,11 @@ to every member over gRPC, so all members agree on the group and its order. A me
 proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
 grace period goes on alone for that round, and says so.
 
+Clients (README "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
+address. It is a member like any other (the leader waits for its offer in the DHT as for anyone's),
+but it never leads (the leader is the first-ranked *reachable* offer), it is never sent a proposal
+(it asks the leader for the frozen group, `AwaitGroup`), and it reduces no part (`GroupSpec`).
+
 Digests: the leader groups only the offers whose global digest is the one most offers hold (on a tie,
 the earliest-ranked side's). A node on the other side knows its global params went astray: it leaves
 the round and repairs itself from an agreeing member's snapshot before its next inner phase.
@@ -67,6 +72,8 @@ class Offer(msgspec.Struct, frozen=True):
     outer_step: int = msgspec.field(name="o")
     frozen: bool = msgspec.field(name="fz", default=False)
     """Set by a leader once it froze its group: late offers are too late."""
+    reachable: bool = msgspec.field(name="r", default=True)
+    """False: a client (no inbound path): never a leader or a reducer; its address is empty."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.deadline) and is_sha256_hex(self.run_digest)) or self.outer_step < 0:
@@ -78,6 +85,8 @@ class Offer(msgspec.Struct, frozen=True):
         del value["node"]
         if not self.frozen:
             del value["fz"]
+        if self.reachable:
+            del value["r"]
         return value
 
     @classmethod
@@ -86,7 +95,9 @@ class Offer(msgspec.Struct, frozen=True):
         return decode_typed_value(cls, node_id, entry.value)
 
     def member(self) -> Member:
-        return Member(self.node_id, self.address, self.weight, self.cursor, self.global_digest)
+        return Member(
+            self.node_id, self.address, self.weight, self.cursor, self.global_digest, self.reachable
+        )
 
 
 @dataclass(frozen=True)
@@ -113,8 +124,14 @@ class Matchmaker:
         timeout_s: float,
         allreduce_timeout_s: float,
         propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
+        reachable: Callable[[], bool] = lambda: True,
+        fetch_group: FetchGroup | None = None,
     ) -> None:
+        """`reachable()`: this node's mode now (False: a client, see the module notes); `fetch_group`:
+        how a client asks a leader for its frozen group (needed once `reachable()` may be False)."""
         self.dht, self.node_id, self.address = dht, node_id, address
+        self.reachable, self.fetch_group = reachable, fetch_group
+        self._led: dict[int, GroupSpec] = {}  # the groups this node led, by round (the last few)
         self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
         self._open_round: int | None = None
@@ -151,8 +168,11 @@ class Matchmaker:
         """Publish this node's offer for `outer_step` and settle the round's group."""
         # Rounded as it travels, so that every node ranks this offer by the very same deadline.
         deadline = round(clock.now() + self.timeout_s, 3)
+        reachable = self.reachable()
         own = Offer(
-            self.node_id, self.address, deadline, self.run_digest, global_digest, weight, cursor, outer_step
+            *(self.node_id, self.address if reachable else "", deadline, self.run_digest, global_digest),
+            *(weight, cursor, outer_step),
+            reachable=reachable,
         )
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
@@ -225,7 +245,10 @@ class Matchmaker:
             return Outcome(None, repair_from=tuple(members), reason="global digest differs from the swarm's")
         if len(members) == 1:
             return Outcome(None, reason="no partner offered in time")
-        leader = min(members, key=_rank)
+        leaders = [o for o in members if o.reachable]
+        if not leaders:
+            return Outcome(None, reason="no reachable member offered to lead the round")
+        leader = min(leaders, key=_rank)
         if leader.node_id == own.node_id:
             return await self._lead(own, members)
         return await self._follow(leader)
@@ -244,7 +267,8 @@ class Matchmaker:
             self.allreduce_timeout_s,
         )
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
-        others = [o for o in ordered if o.node_id != own.node_id]
+        self._remember_led(spec)
+        others = [o for o in ordered if o.node_id != own.node_id and o.reachable]  # clients ask for it
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
         self._mark_frozen(own)
         refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
@@ -271,6 +295,36 @@ class Matchmaker:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("frozen-group mark not published: %s", task.exception())
 
+    def _remember_led(self, spec: GroupSpec) -> None:
+        self._led[spec.round] = spec
+        for old in sorted(self._led)[:-4]:
+            del self._led[old]
+
+    async def led_group(self, run_id: str, outer_step: int, wait_s: float) -> GroupSpec | None:
+        """The group this node led in round `outer_step`, waiting up to `wait_s` while it is still
+        matchmaking in that round; None when it did not lead it (or not yet)."""
+        deadline = time.monotonic() + wait_s
+        while run_id == self.run_id and outer_step not in self._led and time.monotonic() < deadline:
+            if self._open_round != outer_step:
+                break  # not (or no longer) matchmaking in that round
+            await asyncio.sleep(POLL_INTERVAL_S / 5)
+        return self._led.get(outer_step) if run_id == self.run_id else None
+
+    async def _ask_leader(self, leader: Offer, give_up: float) -> Outcome | None:
+        """A client's stand-in for a proposal: the leader's frozen group, asked for over gRPC. None:
+        not known yet (ask again)."""
+        assert self._proposal is not None and self.fetch_group is not None
+        timeout_s = max(give_up - time.monotonic(), 0.1)
+        answer = await self.fetch_group(
+            leader.address, self.run_id, leader.outer_step, self.node_id, timeout_s
+        )
+        if answer is None:
+            return None
+        if answer is False or not (isinstance(answer, GroupSpec) and await self.on_proposal(answer)):
+            reason = f"leader {leader.node_id[:12]} froze its group without this node"
+            return Outcome(None, reason=reason, missed=True)
+        return Outcome(self._proposal.result())
+
     async def _follow(self, leader: Offer) -> Outcome:
         """Wait for the leader's proposal until its deadline plus a grace period, or until the leader
         is seen to have frozen its group (or moved to a later round) without proposing to this node."""
@@ -278,6 +332,10 @@ class Matchmaker:
         give_up = time.monotonic() + max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
         key, closed = round_key(self.run_id), False
         while time.monotonic() < give_up:
+            if not self.reachable():
+                pulled = await self._ask_leader(leader, give_up)
+                if pulled is not None:
+                    return pulled
             with contextlib.suppress(asyncio.TimeoutError):
                 return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S))
             entry = (await self.dht.get(key)).get(leader.node_id)
@@ -293,6 +351,11 @@ class Matchmaker:
             reason = f"leader {leader.node_id[:12]} closed the group without this node"
             return Outcome(None, reason=reason, missed=True)
         return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+
+
+FetchGroup = Callable[[str, str, int, str, float], Awaitable["GroupSpec | bool | None"]]
+"""`fetch_group(leader address, run id, round, node id, timeout_s)`: the leader's frozen group; False
+when it froze one without this node; None when it has none (yet) or did not answer."""
 
 
 def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:

@@ -56,9 +56,12 @@ class Membership:
         uptime_s: Callable[[], float] = lambda: 0.0,
         on_duplicate: Callable[[DuplicateIdentity], None] | None = None,
         channels: rpc.ChannelCache | None = None,
+        reachable: Callable[[], bool] = lambda: True,
     ) -> None:
         """`uptime_s()`: how long this node has run; `on_duplicate` is told, once, when this running
-        node turns out to be the younger of two with one identity."""
+        node turns out to be the younger of two with one identity; `reachable()`: this node's mode now
+        (a client announces no address, README "Behind NAT")."""
+        self.reachable = reachable
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
         self.round_key = round_key(dht_run)
         self.stop, self.ahead_wait_s = stop, ahead_wait_s
@@ -84,9 +87,10 @@ class Membership:
             previous.cancel()  # a newer snapshot supersedes it
             with contextlib.suppress(asyncio.CancelledError):
                 await previous
+        reachable = self.reachable()
         announcement = Announcement(
             self.run.node_id,
-            self.address,
+            self.address if reachable else "",
             info.snapshot_id,
             info.size_bytes,
             info.outer_step,
@@ -95,6 +99,7 @@ class Membership:
             info.created_at,
             self.run.run_digest,
             info.cursor,
+            reachable,
         )
         try:
             await self.dht.publish(self.key, announcement.to_value(), ANNOUNCE_TTL_S)
@@ -123,13 +128,18 @@ class Membership:
                 self._warn_once(node_id, "ignoring a malformed announcement from %s", node_id[:12])
             elif node_id == self.run.node_id:
                 own = announcement
-                self._watch_own_address(announcement.address)
+                if announcement.address:
+                    self._watch_own_address(announcement.address)
             elif self._same_run(announcement):
                 peers.append(announcement)
         return peers, own
 
     async def peers(self) -> list[Announcement]:
         return (await self.announcements())[0]
+
+    async def servers(self) -> list[Announcement]:
+        """The peers that serve their snapshots: never a client, which nobody can dial."""
+        return [a for a in await self.peers() if a.serves]
 
     # ----- one identity, one process -----
 
@@ -159,7 +169,7 @@ class Membership:
             Announcement.from_value(me, announced.value) if announced is not None else None,
             Offer.from_entry(me, offered) if offered is not None else None,
         ]
-        return {v.address for v in values if v is not None and v.address != self.address}
+        return {v.address for v in values if v is not None and v.address and v.address != self.address}
 
     async def _probe(self, address: str) -> rpc.NodeStatus | None:
         """The status of a live node at `address` that has this node's id, else None."""
@@ -228,7 +238,8 @@ class Membership:
 
     async def expected_peers(self, outer_step: int) -> frozenset[str] | None:
         """Peers that announced this round or the last are expected to offer (matchmaking may end as
-        soon as they have); None when the routing table is empty (nobody to wait for)."""
+        soon as they have); None when the routing table is empty (nobody to wait for). Clients are
+        expected too: their offers are read from the DHT like anyone's, nobody dials them."""
         if not self.dht.peer_count():
             return None
         return frozenset(a.node_id for a in await self.peers() if a.outer_step >= outer_step - 1)
@@ -243,7 +254,7 @@ class Membership:
         `missed`: the round's group formed without this node; it waits for a member to announce the
         step the swarm is taking, rather than train a round the swarm has closed.
         """
-        peers = await self.peers()
+        peers = await self.servers()  # a client's snapshots are never fetched: nobody can dial it
         ahead = [a for a in peers if a.outer_step > outer_step]
         if (agreeing or missed) and not ahead:  # the swarm may still be finishing the round's outer step
             ahead = await self._wait_for_peers_ahead(outer_step) or [
@@ -262,7 +273,7 @@ class Membership:
     async def _wait_for_peers_ahead(self, outer_step: int) -> list[Announcement]:
         deadline = time.monotonic() + self.ahead_wait_s
         while time.monotonic() < deadline and not self.stop.is_set():
-            ahead = [a for a in await self.peers() if a.outer_step > outer_step]
+            ahead = [a for a in await self.servers() if a.outer_step > outer_step]
             if ahead:
                 return ahead
             await asyncio.sleep(0.5)

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 10.0
 """How long a new `Exchange` call may take to send its header."""
+AWAIT_GROUP_MAX_S = 60.0
+"""The longest an `AwaitGroup` call is held while this node is still matchmaking in its round."""
 MAX_KNOWN_GROUPS = 4
 """Groups known here at once (proposed and not over); further proposals are declined."""
 _EOF: Any = grpc.aio.EOF
@@ -249,11 +251,14 @@ class AveragingServicer:
         node_id: str,
         on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
         on_rejected: Callable[[str], None] | None = None,
+        led_group: Callable[[str, int, float], Awaitable[GroupSpec | None]] | None = None,
     ) -> None:
         """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
         valid group that names it); `on_rejected(reason)` counts requests refused as bad or late
-        ("invalid", "duplicate", "expired", "over")."""
+        ("invalid", "duplicate", "expired", "over"); `led_group(run id, round, wait_s)` is the group this
+        node led in that round, for a client member's `AwaitGroup` (None: it led none)."""
         self.node_id = node_id
+        self.led_group = led_group
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
         self._rounds: dict[str, _PartRound] = {}
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
@@ -270,6 +275,11 @@ class AveragingServicer:
                 self.Exchange,
                 request_deserializer=pb.Contribution.FromString,
                 response_serializer=rpc.serialize,
+            ),
+            "AwaitGroup": grpc.unary_unary_rpc_method_handler(
+                self.AwaitGroup,
+                request_deserializer=pb.AwaitGroupRequest.FromString,
+                response_serializer=pb.GroupProposal.SerializeToString,
             ),
         }
         name = pb.DESCRIPTOR.services_by_name["AveragingService"].full_name
@@ -332,6 +342,20 @@ class AveragingServicer:
         if not self.expect(spec):
             return pb.ProposalReply(accepted=False, reason="too many groups known, or group id reused")
         return pb.ProposalReply(accepted=True)
+
+    async def AwaitGroup(self, request: pb.AwaitGroupRequest, context: Any) -> pb.GroupProposal:
+        """A client member's pull of the group this node led (see averaging.proto)."""
+        remaining = context.time_remaining()
+        wait_s = min(AWAIT_GROUP_MAX_S, remaining if remaining is not None else AWAIT_GROUP_MAX_S)
+        spec = None
+        if self.led_group is not None:
+            spec = await self.led_group(request.run_id, request.round, max(wait_s - 0.2, 0.0))
+        if spec is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"not leading round {request.round}")
+        assert spec is not None
+        if not any(m.node_id == request.node_id for m in spec.members):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"group {spec.group_id} does not include it")
+        return wire.spec_to_pb(spec)
 
     async def _ask(self, spec: GroupSpec) -> bool:
         if self._on_proposal is None:

@@ -6,6 +6,7 @@ travels as one byte image (its codecs are `codecs.py`), cut into chunks of at mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -53,13 +54,17 @@ class Member:
     cursor: dict[str, int] | None = None
     """The member's data cursor (`CURSOR_KEYS`) as of the round's start; None: unknown."""
     global_digest: str = ""
+    reachable: bool = True
+    """False: a client member (README "Behind NAT"): it reduces nothing and nobody dials it, so its
+    address may be empty."""
 
     def __post_init__(self) -> None:
         if not _HEX.fullmatch(self.node_id):
             raise ValueError(f"member node id must be 1-128 lowercase hex digits, got {self.node_id!r}")
         if len(self.address) > 256:
             raise ValueError(f"member address too long: {self.address[:64]!r}…")
-        parse_host_port(self.address)
+        if self.address or self.reachable:
+            parse_host_port(self.address)
         if not 0 <= self.weight <= MAX_WEIGHT or len(self.global_digest) > 128:  # NaN fails too
             raise ValueError(f"member {self.node_id}: bad weight or digest")
         if self.cursor is not None:
@@ -75,7 +80,7 @@ class GroupSpec:
     group_id: str
     """Unique per (round, leader)."""
     members: tuple[Member, ...]
-    """Ordered: member k reduces part k."""
+    """Ordered; the reachable ones reduce, in this order (`part_range`)."""
     wire_dtype: str
     """"fp32" | "bf16" | "int8"."""
     timeout_s: float
@@ -86,6 +91,8 @@ class GroupSpec:
         check_dtype(self.wire_dtype)
         if not 0 < len(self.members) <= MAX_GROUP_SIZE:
             raise ValueError(f"a group has 1-{MAX_GROUP_SIZE} members, got {len(self.members)}")
+        if not self.reducers:
+            raise ValueError(f"group {self.group_id!r} has no reachable member to reduce")
         if len({m.node_id for m in self.members}) != len(self.members):
             raise ValueError(f"group {self.group_id!r} names a member twice")
         if not 0 < len(self.group_id) <= 256 or len(self.run_id) > 256 or self.round < 0:
@@ -100,13 +107,28 @@ class GroupSpec:
                 return k
         raise ValueError(f"node {node_id} is not a member of group {self.group_id}")
 
+    @functools.cached_property
+    def reducers(self) -> tuple[int, ...]:
+        """The indices of the members that reduce a part: the reachable ones, in group order."""
+        return tuple(k for k, m in enumerate(self.members) if m.reachable)
+
+    def reduces(self, k: int) -> bool:
+        return self.members[k].reachable
+
     def part_range(self, k: int, n: int) -> tuple[int, int]:
-        """Part k of a flat Δ of n values: [k·n/N, (k+1)·n/N)."""
-        size = len(self.members)
-        return k * n // size, (k + 1) * n // size
+        """Part k (member k's) of a flat Δ of n values: for the j-th of R reducers [j·n/R, (j+1)·n/R);
+        an empty range for a client member (with every member reachable: [k·n/N, (k+1)·n/N))."""
+        if not self.members[k].reachable:
+            return 0, 0
+        j, size = self.reducers.index(k), len(self.reducers)
+        return j * n // size, (j + 1) * n // size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for m in d["members"]:
+            if m["reachable"]:
+                del m["reachable"]  # as before clients existed: older readers take these dicts
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupSpec:
@@ -135,7 +157,11 @@ def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
     )
     for m in spec.members:
         member = msg.members.add(
-            node_id=m.node_id, address=m.address, weight=m.weight, global_digest=m.global_digest
+            node_id=m.node_id,
+            address=m.address,
+            weight=m.weight,
+            global_digest=m.global_digest,
+            client=not m.reachable,
         )
         if m.cursor is not None:
             member.cursor.CopyFrom(snapshot_pb.DataCursor(**m.cursor))
@@ -151,6 +177,7 @@ def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
             m.weight,
             {k: getattr(m.cursor, k) for k in CURSOR_KEYS} if m.HasField("cursor") else None,
             m.global_digest,
+            not m.client,
         )
         for m in msg.members
     )
@@ -206,7 +233,7 @@ def header_problem(h: pb.ContributionHeader, spec: GroupSpec, my_index: int) -> 
         return f"sender index {h.sender} is out of range"
     if h.node_id != spec.members[h.sender].node_id:
         return f"node {h.node_id!r} is not member {h.sender}"
-    if h.part != my_index or h.wire_dtype != spec.wire_dtype:
+    if h.part != my_index or h.wire_dtype != spec.wire_dtype or not spec.reduces(my_index):
         return f"part {h.part} in {h.wire_dtype!r} is not part {my_index} in {spec.wire_dtype!r}"
     if not 0 <= h.weight <= MAX_WEIGHT:  # NaN fails too
         return f"weight {h.weight} is out of range"

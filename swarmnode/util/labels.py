@@ -59,6 +59,26 @@ class DHTReject(StrEnum):
     """A datagram of a token swarm without a valid tag."""
 
 
+class Reachability(StrEnum):
+    """Whether peers can open connections to a node (README "Behind NAT")."""
+
+    REACHABLE = "reachable"
+    CLIENT = "client"
+    """Not reachable: it dials out only; never a reducer, a leader, a routing contact or a source."""
+
+
+class ProbeResult(StrEnum):
+    """What one dial-back probe (asked or served) came to."""
+
+    REACHABLE = "reachable"
+    UNREACHABLE = "unreachable"
+    UNANSWERED = "unanswered"
+    """Asked: the prober did not answer."""
+    THROTTLED = "throttled"
+    """Served: over the caller's rate or too many at once; nothing dialled."""
+    INVALID = "invalid"
+
+
 class SnapshotFailure(StrEnum):
     DISK_FULL = "disk_full"
     IO_ERROR = "io_error"

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from swarmnode.util.labels import (
     DHTReject,
     FetchFailure,
+    ProbeResult,
+    Reachability,
     RecoverySource,
     RoundFailure,
     SnapshotFailure,
@@ -28,6 +30,13 @@ RECOVERY_SOURCES = tuple(RecoverySource)
 DHT_REJECT_REASONS = tuple(DHTReject)
 SNAPSHOT_FAILURE_REASONS = tuple(SnapshotFailure)
 ROUND_FAILURE_REASONS = tuple(RoundFailure)
+PROBE_RESULTS = (ProbeResult.REACHABLE, ProbeResult.UNREACHABLE, ProbeResult.UNANSWERED)
+DIAL_BACK_RESULTS = (
+    ProbeResult.REACHABLE,
+    ProbeResult.UNREACHABLE,
+    ProbeResult.THROTTLED,
+    ProbeResult.INVALID,
+)
 
 
 class Metrics:
@@ -48,6 +57,7 @@ class Metrics:
         self._snapshot_metrics(r)
         self._network_metrics(r)
         self._averaging_metrics(r)
+        self._reachability_metrics(r)
 
     def _snapshot_metrics(self, r: CollectorRegistry) -> None:
         self.snapshot_stall = Histogram(
@@ -160,6 +170,24 @@ class Metrics:
         )
         for reason in ROUND_FAILURE_REASONS:
             self.round_failures.labels(reason)
+
+    def _reachability_metrics(self, r: CollectorRegistry) -> None:
+        self.reachable = Gauge(
+            "swarmnode_reachable", "1 when peers can dial this node, 0 for a client (behind NAT)", registry=r
+        )
+        self.probes = Counter(
+            "swarmnode_reachability_probes", "Dial-back probes this node asked for", ["reason"], registry=r
+        )
+        self.dial_backs = Counter(
+            "swarmnode_dial_backs", "Dial-back probes this node served for peers", ["reason"], registry=r
+        )
+        for result in PROBE_RESULTS:
+            self.probes.labels(result)
+        for result in DIAL_BACK_RESULTS:
+            self.dial_backs.labels(result)
+
+    def set_reachability(self, mode: Reachability) -> None:
+        self.reachable.set(1 if mode == Reachability.REACHABLE else 0)
 
     def track_snapshot_age(
         self, newest_created_at: Callable[[], float | None], now: Callable[[], float]

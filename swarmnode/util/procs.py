@@ -24,8 +24,12 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-LOOPBACK_ARGS = ("--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0")
-"""`swarmnode run` flags for nodes this code starts itself (demo, benches, tests): loopback, free ports."""
+LOOPBACK_ARGS = (
+    *("--host", "127.0.0.1", "--grpc-port", "0", "--dht-port", "0", "--metrics-port", "0"),
+    *("--reachable", "yes"),
+)
+"""`swarmnode run` flags for nodes this code starts itself (demo, benches, tests): loopback, free ports,
+and reachable (on loopback every node reaches every other; a later `--reachable` overrides it)."""
 NODE_ARGS = (*LOOPBACK_ARGS, "--progress-interval", "3600")
 """`swarmnode run` flags every bench node gets: loopback, ports picked by the OS, no progress lines."""
 

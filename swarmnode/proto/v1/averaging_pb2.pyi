@@ -7,19 +7,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AwaitGroupRequest(_message.Message):
+    __slots__ = ("run_id", "round", "node_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    node_id: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
 class GroupMember(_message.Message):
-    __slots__ = ("node_id", "address", "weight", "cursor", "global_digest")
+    __slots__ = ("node_id", "address", "weight", "cursor", "global_digest", "client")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     weight: float
     cursor: _snapshot_pb2.DataCursor
     global_digest: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[_Union[_snapshot_pb2.DataCursor, _Mapping]] = ..., global_digest: _Optional[str] = ...) -> None: ...
+    client: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[_Union[_snapshot_pb2.DataCursor, _Mapping]] = ..., global_digest: _Optional[str] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupProposal(_message.Message):
     __slots__ = ("run_id", "round", "group_id", "members", "wire_dtype", "timeout_s")

@@ -44,6 +44,11 @@ class AveragingServiceStub:
                 request_serializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.Contribution.SerializeToString,
                 response_deserializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AveragedPart.FromString,
                 _registered_method=True)
+        self.AwaitGroup = channel.unary_unary(
+                '/swarmnode.v1.AveragingService/AwaitGroup',
+                request_serializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AwaitGroupRequest.SerializeToString,
+                response_deserializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.GroupProposal.FromString,
+                _registered_method=True)
 
 
 class AveragingServiceServicer:
@@ -74,6 +79,17 @@ class AveragingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitGroup(self, request, context):
+        """A client member (one that cannot be dialled: README "Behind NAT") asks the round's leader for
+        the group it froze, instead of being sent a proposal. The leader answers once it has frozen
+        its group for `round` (waiting at most until its matchmaking deadline has passed).
+        Errors: NOT_FOUND (the leader froze a group without the caller), FAILED_PRECONDITION (the
+        leader is not leading that round now: the caller may ask again), DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AveragingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -86,6 +102,11 @@ def add_AveragingServiceServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.Contribution.FromString,
                     response_serializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AveragedPart.SerializeToString,
+            ),
+            'AwaitGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitGroup,
+                    request_deserializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AwaitGroupRequest.FromString,
+                    response_serializer=swarmnode_dot_proto_dot_v1_dot_averaging__pb2.GroupProposal.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +163,33 @@ class AveragingService:
             '/swarmnode.v1.AveragingService/Exchange',
             swarmnode_dot_proto_dot_v1_dot_averaging__pb2.Contribution.SerializeToString,
             swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AveragedPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmnode.v1.AveragingService/AwaitGroup',
+            swarmnode_dot_proto_dot_v1_dot_averaging__pb2.AwaitGroupRequest.SerializeToString,
+            swarmnode_dot_proto_dot_v1_dot_averaging__pb2.GroupProposal.FromString,
             options,
             channel_credentials,
             insecure,

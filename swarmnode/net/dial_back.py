@@ -1,0 +1,154 @@
+"""The dial-back probe (`ReachabilityService.DialBack`, reachability.proto): "connect to me and answer".
+
+A node asks a peer to dial it back; the peer opens a fresh connection to the caller's *observed*
+address — the host of the call's own peer string, never a host the caller names — at the port the
+caller gives, and calls `GetStatus` there: the caller is reachable when a node answers with the node id
+it claimed. So the probe can make a node dial only the very host that asked (at worst another port of
+it), and only within bounds: `DIAL_BACK_BURST` probes per caller host, refilled one per
+`DIAL_BACK_REFILL_S`, and `MAX_DIALS_IN_FLIGHT` dials at once; beyond either the call ends
+RESOURCE_EXHAUSTED without dialling. Every dial takes at most `DIAL_TIMEOUT_S`.
+
+Failure semantics: the server's dial failing is an answer (`reachable` false, with the reason), not an
+error; the caller's side (`ask_dial_back`) returns None when the prober did not answer at all, so the
+caller can tell "nobody could reach me" from "nobody told me".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from swarmnode.net import rpc, snapshot_client
+from swarmnode.proto.v1 import reachability_pb2 as pb
+from swarmnode.proto.v1 import reachability_pb2_grpc as pb_grpc
+from swarmnode.util.validate import is_node_id_hex
+
+logger = logging.getLogger(__name__)
+
+DIAL_TIMEOUT_S = 3.0
+"""The longest one dial-back (connect and `GetStatus`) may take."""
+DIAL_BACK_BURST = 3
+"""Dial-backs a caller host gets at once; then one more per `DIAL_BACK_REFILL_S`."""
+DIAL_BACK_REFILL_S = 20.0
+MAX_DIALS_IN_FLIGHT = 4
+"""Dial-backs running at once, all callers together."""
+MAX_TRACKED_CALLERS = 1024
+
+
+@dataclass(frozen=True)
+class DialBackAnswer:
+    """What a prober said: whether it reached this node, and the host it saw this node call from."""
+
+    reachable: bool
+    observed_host: str
+    reason: str = ""
+
+
+def observed_host(peer: str) -> str | None:
+    """The caller's host in a gRPC peer string ("ipv4:10.0.0.5:40312" -> "10.0.0.5", "ipv6:[::1]:5"
+    -> "::1"); None for anything else (a unix socket has no host to dial)."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    host = rest.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def dial_target(host: str, port: int) -> str:
+    """HOST:PORT as the gRPC client takes it (IPv6 hosts in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _CallerBudget:
+    """A token bucket per caller host (`burst` deep, one token back per `refill_s`); beyond
+    `max_callers` the least recently seen host is forgotten."""
+
+    def __init__(
+        self, burst: int, refill_s: float, max_callers: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._burst, self._refill_s, self._max, self._clock = burst, refill_s, max_callers, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host -> (tokens, when)
+
+    def take(self, host: str) -> bool:
+        now = self._clock()
+        tokens, then = self._buckets.pop(host, (float(self._burst), now))
+        tokens = min(float(self._burst), tokens + (now - then) / self._refill_s)
+        allowed = tokens >= 1.0
+        self._buckets[host] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._buckets) > self._max:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class DialBackServicer:
+    """`ReachabilityService` of one node. Register it with
+    `snapshot_server.start_server(..., extra_servicers=[servicer.register])`."""
+
+    def __init__(
+        self,
+        on_dial: Callable[[str], None] | None = None,
+        dial_timeout_s: float = DIAL_TIMEOUT_S,
+        budget: _CallerBudget | None = None,
+    ) -> None:
+        """`on_dial(result)` counts each call: "reachable", "unreachable", "throttled" or "invalid"."""
+        self._on_dial = on_dial
+        self._dial_timeout_s = dial_timeout_s
+        self._budget = budget or _CallerBudget(DIAL_BACK_BURST, DIAL_BACK_REFILL_S, MAX_TRACKED_CALLERS)
+        self._in_flight = 0
+
+    def register(self, server: grpc.aio.Server) -> str:
+        pb_grpc.add_ReachabilityServiceServicer_to_server(self, server)  # type: ignore[arg-type]
+        return str(pb.DESCRIPTOR.services_by_name["ReachabilityService"].full_name)
+
+    async def DialBack(self, request: pb.DialBackRequest, context: Any) -> pb.DialBackReply:
+        host = observed_host(context.peer())
+        if host is None or not 0 < request.port < 65536 or not is_node_id_hex(request.node_id):
+            self._count("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad port or node id, or no host to dial")
+        assert host is not None
+        if self._in_flight >= MAX_DIALS_IN_FLIGHT or not self._budget.take(host):
+            self._count("throttled")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs; ask later")
+        self._in_flight += 1
+        try:
+            reason = await self._dial(dial_target(host, request.port), request.node_id)
+        finally:
+            self._in_flight -= 1
+        self._count("unreachable" if reason else "reachable")
+        return pb.DialBackReply(reachable=not reason, observed_host=host, reason=reason)
+
+    async def _dial(self, target: str, node_id: str) -> str:
+        """Why `target` is not the node `node_id` ("" when it answered as that node). A fresh channel,
+        never a cached one: the probe must open a new connection, as any peer would."""
+        try:
+            status = await snapshot_client.get_status(target, self._dial_timeout_s)
+        except (rpc.PeerUnavailable, ValueError) as exc:
+            return f"no answer at {target}: {exc}"
+        if status.node_id != node_id:
+            return f"another node ({status.node_id[:12]}) answers at {target}"
+        return ""
+
+    def _count(self, result: str) -> None:
+        if self._on_dial is not None:
+            self._on_dial(result)
+
+
+async def ask_dial_back(
+    prober: str, port: int, node_id: str, timeout_s: float, channels: rpc.ChannelCache | None = None
+) -> DialBackAnswer | None:
+    """Asks the peer at HOST:PORT `prober` to dial this node back at `port`; None when it did not
+    answer (unreachable, throttled, an older node without the service)."""
+    request = pb.DialBackRequest(port=port, node_id=node_id)
+    try:
+        async with rpc.peer_channel(prober, channels) as channel:
+            reply = await pb_grpc.ReachabilityServiceStub(channel).DialBack(request, timeout=timeout_s)
+    except (grpc.aio.AioRpcError, ValueError) as exc:
+        logger.debug("dial-back probe by %s not answered: %s", prober, exc)
+        return None
+    return DialBackAnswer(reply.reachable, reply.observed_host, reply.reason)
