@@ -110,6 +110,11 @@ class Router:
     wan: Link
     lan: Bridge
 
+    def zero_counters(self) -> None:
+        """Starts `dial_attempts` from 0 again."""
+        for chain in ("INPUT", "FORWARD"):
+            self.namespace.run(["iptables", "-Z", chain])
+
     def dial_attempts(self) -> int:
         """Packets that tried to open a new connection or flow from the WAN (to the router itself or
         through it to the LAN), all refused; replies to the LAN's own traffic are not counted."""

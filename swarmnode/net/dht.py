@@ -163,6 +163,7 @@ class SwarmDHT:
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._client_mode = config.client_mode
+        self._bootstrap: tuple[str, ...] = ()
 
     async def start(self, bootstrap: Sequence[str]) -> None:
         """Listen on the configured UDP port and join the swarm through ``bootstrap`` (``host:port``).
@@ -172,6 +173,7 @@ class SwarmDHT:
         """
         for peer in bootstrap:
             parse_peer(peer)
+        self._bootstrap = tuple(bootstrap)
         server = self._make_server()
         await server.listen(self._config.port, self._config.host)
         self._server = server
@@ -257,9 +259,11 @@ class SwarmDHT:
         """A client (peers cannot reach it) queries and stores through others but is never put in their
         routing tables: its requests name no node id and it answers none (kademlia_adapter.py). Leaving
         client mode makes this node a contact again from its next requests on (peers verify it then)."""
-        self._client_mode = client
+        was, self._client_mode = self._client_mode, client
         if self._server is not None:
             self._server.protocol.client_mode = client
+            if was and not client and self._bootstrap:  # knock again, naming our id: peers verify us
+                self._tasks.append(asyncio.create_task(self._join(self._bootstrap), name="dht-rejoin-named"))
 
     @property
     def port(self) -> int:

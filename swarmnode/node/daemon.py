@@ -212,10 +212,10 @@ class Node:
 
     async def run(self) -> int:
         self._install_signal_handlers()
-        await self._wait_for_peers()
         await self.reachability.probe()  # before anything is announced, offered or fetched
         prober = asyncio.create_task(self.reachability.run(), name="reachability")
         try:
+            await self._wait_for_peers()  # (a client is in nobody's routing table: it must know first)
             await self._recover()
             reporter = asyncio.create_task(
                 report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)

@@ -268,6 +268,7 @@ class Matchmaker:
         )
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         self._remember_led(spec)
+        logger.debug("round %d: leading group %s of %d", own.outer_step, spec.group_id, len(ordered))
         others = [o for o in ordered if o.node_id != own.node_id and o.reachable]  # clients ask for it
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
         self._mark_frozen(own)
@@ -323,6 +324,7 @@ class Matchmaker:
         if answer is False or not (isinstance(answer, GroupSpec) and await self.on_proposal(answer)):
             reason = f"leader {leader.node_id[:12]} froze its group without this node"
             return Outcome(None, reason=reason, missed=True)
+        logger.debug("round %d: fetched group %s from its leader", answer.round, answer.group_id)
         return Outcome(self._proposal.result())
 
     async def _follow(self, leader: Offer) -> Outcome:

@@ -1,8 +1,10 @@
 """Whether peers can reach this node, and so which mode it runs in (README "Behind NAT").
 
 `--reachable yes|no` fixes the mode; `auto` (the default) decides it by the dial-back probe
-(`net/dial_back.py`): the node asks up to `PROBERS` reachable peers — those that announce a serving
-address or offer one in the current round — to dial it back. Any "reached you" makes it reachable; every
+(`net/dial_back.py`): the node asks up to `PROBERS` reachable peers to dial it back — those that say
+so under `swarmnode/<run>/reachable` (every reachable node keeps one small entry there from its start,
+`ProberRecord`: a swarm that starts together has no snapshot announcements yet), announce a serving
+address or offer one in the current round. Any "reached you" makes it reachable; every
 prober answering "could not" makes it a client; no answer at all leaves the mode as it is and asks again
 `RETRY_S` later. Until the first answer a node that joins through --peers is a client (the safe side: a
 client still trains and averages, a node wrongly taken as reachable makes its peers dial it in vain) and
@@ -18,16 +20,22 @@ never a reducer or a leader, is never dialled, and serves its snapshots only to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable
+from typing import Any
+
+import msgspec
 
 from swarmnode.net import rpc
 from swarmnode.net.dht import SwarmDHT
+from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.net.dial_back import DIAL_TIMEOUT_S, DialBackAnswer, ask_dial_back
 from swarmnode.swarm.announcements import Announcement, snapshots_key
 from swarmnode.swarm.matchmaking import Offer, round_key
 from swarmnode.util.labels import ProbeResult, Reachability
+from swarmnode.util.validate import is_sha256_hex, parse_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +48,28 @@ REPROBE_S = 300.0
 """How often a decided mode is probed again."""
 PROBE_TIMEOUT_S = DIAL_TIMEOUT_S + 2.0
 """How long the caller waits for a prober's answer (its dial-back included)."""
+PROBER_TTL_S = 900.0
+
+
+def probers_key(run_id: str) -> str:
+    """The run's key under which every reachable node keeps its gRPC address (one entry per node)."""
+    return f"swarmnode/{run_id}/reachable"
+
+
+class ProberRecord(msgspec.Struct, frozen=True):
+    """A reachable node's entry under `probers_key`: where to ask for a dial-back (and its run digest)."""
+
+    node_id: str = msgspec.field(name="node")
+    address: str = msgspec.field(name="addr")
+    run_digest: str = msgspec.field(name="run")
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.address)
+        if not is_sha256_hex(self.run_digest):
+            raise ValueError("the run digest must be a sha256 hex digest")
+
+    def to_value(self) -> dict[str, Any]:
+        return {"addr": self.address, "run": self.run_digest}
 
 
 def initial_mode(setting: str, has_peers: bool) -> Reachability:
@@ -60,6 +90,7 @@ class ReachabilityMonitor:
         mode: Reachability,
         node_id: str,
         grpc_port: int,
+        address: str,
         dht: SwarmDHT,
         dht_run: str,
         run_digest: str,
@@ -70,6 +101,8 @@ class ReachabilityMonitor:
         """`on_probe(result)` counts probes ("reachable", "unreachable", "unanswered"); `on_mode(mode)` is
         told the mode now and at every change."""
         self.setting, self.mode, self.node_id, self.grpc_port = setting, mode, node_id, grpc_port
+        self.address = address
+        self._advertised: Reachability | None = None
         self.dht, self.dht_run, self.run_digest = dht, dht_run, run_digest
         self.on_probe, self.on_mode, self.channels = on_probe, on_mode, channels
         self.decided = setting != "auto"
@@ -90,9 +123,25 @@ class ReachabilityMonitor:
                 logger.exception("reachability probe failed")
 
     async def probe(self) -> bool:
-        """One probe (auto only): True when a prober answered and the mode is decided."""
-        if self.setting != "auto":
-            return True
+        """One probe (auto only): True when the mode is decided; then the mode is advertised (a
+        reachable node's `ProberRecord` published, a client's withdrawn)."""
+        decided = self.setting != "auto" or await self._probe_peers()
+        await self._advertise()
+        return decided
+
+    async def _advertise(self) -> None:
+        if self._advertised == self.mode:
+            return
+        key = probers_key(self.dht_run)
+        if self.reachable():
+            record = ProberRecord(self.node_id, self.address, self.run_digest)
+            with contextlib.suppress(OSError, RuntimeError):  # not published: asked again at the next probe
+                await self.dht.publish(key, record.to_value(), PROBER_TTL_S)
+        else:
+            self.dht.withdraw(key)
+        self._advertised = self.mode
+
+    async def _probe_peers(self) -> bool:
         probers = await self._probers()
         if not probers:
             logger.debug("reachability: no reachable peer to ask yet")
@@ -119,6 +168,10 @@ class ReachabilityMonitor:
     async def _probers(self) -> list[str]:
         """Up to `PROBERS` addresses of reachable peers of this run, at random."""
         addresses: set[str] = set()
+        for node_id, entry in (await self.dht.get(probers_key(self.dht_run))).items():
+            record = decode_typed_value(ProberRecord, node_id, entry.value)
+            if record is not None and self._other_of_run(node_id, record):
+                addresses.add(record.address)
         for node_id, entry in (await self.dht.get(snapshots_key(self.dht_run))).items():
             announcement = Announcement.from_value(node_id, entry.value)
             if announcement is not None and announcement.serves and self._other_of_run(node_id, announcement):
@@ -129,7 +182,7 @@ class ReachabilityMonitor:
                 addresses.add(offer.address)
         return random.sample(sorted(addresses), min(PROBERS, len(addresses)))
 
-    def _other_of_run(self, node_id: str, value: Announcement | Offer) -> bool:
+    def _other_of_run(self, node_id: str, value: Announcement | Offer | ProberRecord) -> bool:
         return node_id != self.node_id and value.run_digest == self.run_digest
 
     def _note_host(self, heard: list[DialBackAnswer]) -> None:
