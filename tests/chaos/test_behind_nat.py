@@ -94,7 +94,25 @@ def status_inside(ns: Namespace, node: NodeProcess) -> dict[str, Any]:
 def metrics_inside(ns: Namespace, node: NodeProcess) -> str:
     url = f"http://{node.info['host']}:{node.info['metrics_port']}/metrics"
     code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    return ns.run([sys.executable, "-c", code]).stdout
+    return ns.run([sys.executable, "-c", code], check=False).stdout  # "" until it serves
+
+
+def wait_for_client_mode(laptop: Namespace, client: NodeProcess, router: Router) -> None:
+    """The client's probe found it unreachable: the prober's dial-back was refused at the router (the
+    fault fired); then the router's count starts from 0, so any later dial to the client is one too many."""
+    metrics = wait_for(
+        lambda: (
+            (m := metrics_inside(laptop, client))
+            and metric_value(m, "swarmnode_reachability_probes_total", 'reason="unreachable"') >= 1
+            and m
+        ),
+        90,
+        "the client's dial-back probe",
+    )
+    assert metric_value(metrics, "swarmnode_reachable") == 0
+    assert status_inside(laptop, client)["reachability"] == "client"
+    assert router.dial_attempts() >= 1
+    router.zero_counters()
 
 
 def averaged_in(nodes: list[NodeProcess], client: NodeProcess, outer: int) -> bool:
@@ -147,20 +165,7 @@ def test_a_node_behind_nat_trains_averages_recovers_and_is_never_dialled(
     client_args = [*SWARM, "--host", HOME, "--shard", "3", *peers, *auto]
     client = reaper.node(tmp_path / "nat", client_args, env=DEBUG, prefix=laptop.prefix).start()
     client.wait_ready()
-    metrics = wait_for(
-        lambda: (
-            (m := metrics_inside(laptop, client))
-            and metric_value(m, "swarmnode_reachability_probes_total", 'reason="unreachable"') >= 1
-            and m
-        ),
-        60,
-        "the client's dial-back probe",
-    )
-    assert metric_value(metrics, "swarmnode_reachable") == 0
-    assert status_inside(laptop, client)["reachability"] == "client"
-    probe_dials = router.dial_attempts()
-    assert probe_dials >= 1  # the fault fired: the prober's dial-back was refused at the router
-    router.zero_counters()  # from now on, any dial to the client is one too many
+    wait_for_client_mode(laptop, client, router)
 
     everyone = [*reachable, client]
     first = wait_for(lambda: first_round_with_client(everyone, client), 180, "the client in a group of 4")
@@ -176,7 +181,8 @@ def test_a_node_behind_nat_trains_averages_recovers_and_is_never_dialled(
     client.kill()  # SIGKILL, and its snapshots are gone: it must come back from a reachable peer
     shutil.rmtree(client.data_dir / "snapshots")
     killed_at = max(cold_rounds(seed))
-    client.restart()
+    client.restart().wait_ready()
+    wait_for_client_mode(laptop, client, router)  # it probes again at start
     receipt = wait_for(lambda: read_receipts(client.data_dir)[1:], 120, "the client's restart")[-1]
     assert receipt["source"] == "peer" and receipt["peer"].startswith(f"{HOST}:"), receipt
     again = wait_for(
