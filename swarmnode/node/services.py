@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from swarmnode.swarm.allreduce import propose_group
 from swarmnode.swarm.matchmaking import Matchmaker
 from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.rounds import RoundResult, SwarmRounds
+from swarmnode.swarm.trust import AveragingTrust
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util import clock, faults
 from swarmnode.util.errors import ConfigError
@@ -92,8 +93,14 @@ async def start_services(
     stack.push_async_callback(channels.close)  # after every user of the channels stopped
     stack.push_async_callback(asyncio.to_thread, checkpointer.close)  # after the server that serves it
     proposals = _Proposals()
+    trust = AveragingTrust.for_node(identity, security.mutual_tls)
     averaging = AveragingServicer(
-        node_id, on_proposal=proposals, on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc()
+        node_id,
+        on_proposal=proposals,
+        on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
+        trust=trust,
+        max_norm_ratio=cfg.max_norm_ratio,
+        on_excluded=lambda reason: metrics.averaging_excluded.labels(reason).inc(),
     )
     dht = SwarmDHT(  # wired now (the status reads its peer count), started after the gRPC server
         identity,
@@ -108,7 +115,15 @@ async def start_services(
     await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
     address = f"{cfg.advertised_host}:{ports.grpc}"
-    proposals.matchmaker = matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels)
+    proposals.matchmaker = matchmaker = _matchmaker(
+        cfg,
+        dht,
+        node_id,
+        address,
+        dht_run,
+        run_digest,
+        functools.partial(propose_group, channels=channels, trust=trust),
+    )
     rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
     return Services(ports, address, dht, rounds, channels)
@@ -121,7 +136,7 @@ def _matchmaker(
     address: str,
     dht_run: str,
     run_digest: str,
-    channels: rpc.ChannelCache,
+    propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
 ) -> Matchmaker:
     return Matchmaker(
         dht,
@@ -132,7 +147,7 @@ def _matchmaker(
         cfg.wire_dtype,
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
-        functools.partial(propose_group, channels=channels),
+        propose,
     )
 
 

@@ -111,7 +111,8 @@ def test_labels_are_bounded_and_pre_initialised(families) -> None:
         metrics_module.DHT_REJECT_REASONS,
         metrics_module.SNAPSHOT_FAILURE_REASONS,
         metrics_module.ROUND_FAILURE_REASONS,
-        ("unauthenticated",),
+        metrics_module.AVERAGING_REJECT_REASONS,
+        metrics_module.EXCLUSION_REASONS,
     ):
         bounded_values |= set(reasons)
     for name, (_, _, samples) in families.items():
