@@ -123,7 +123,7 @@ class _PartRound:
 
     def attach(self, h: pb.ContributionHeader, speaker: Speaker) -> int:
         """Admits a call from the member its header names; `_Refused` otherwise (a member proven to
-        have sent a lying header is refused for the rest of the round, and no longer waited for)."""
+        have sent a lying header itself is refused for the rest of the round, and no longer waited for)."""
         group = self.spec.group_id
         if speaker.refusal in (AveragingReject.UNAUTHENTICATED, AveragingReject.BAD_SIGNATURE):
             raise _denied(speaker.refusal, f"group {group}: the caller did not prove which member it is")
@@ -138,7 +138,11 @@ class _PartRound:
         if problem is None and speaker.refusal is not None:
             problem = f"member {speaking} claims to be member {h.sender}"
         if problem:
-            if speaking is not None and speaking != self.my_index:
+            # A lie is the speaker's own when its connection proves who it is, or when it signed a
+            # header claiming another member; a signed header for another part or round may be a
+            # replay of an honest one, so that call alone is refused.
+            own_lie = speaker.by_connection or speaker.refusal is not None
+            if speaking is not None and speaking != self.my_index and own_lie:
                 self.refuse(speaking)
             reason = AveragingReject.IMPERSONATION if speaker.refusal is not None else AveragingReject.INVALID
             raise _Refused(_CODES[reason], reason, f"group {group}: {problem}")
@@ -464,7 +468,7 @@ class AveragingServicer:
         except _Refused as exc:
             if exc.reason != "unknown_group":  # not yet known: the sender asks again
                 self._reject(exc.reason)
-                logger.info("refused an averaging call: %s", exc)
+                logger.info("refused an averaging call (%s): %s", exc.reason, exc)
             await context.abort(exc.code, str(exc))
         finally:
             if rnd is not None and sender >= 0:

@@ -56,6 +56,9 @@ class Speaker:
 
     node_id: str | None
     refusal: AveragingReject | None = None
+    by_connection: bool = False
+    """Proven by the connection itself (a certificate), not by a signature someone could replay: any
+    lie in the header is then the caller's own."""
 
 
 def header_message(h: pb.ContributionHeader) -> bytes:
@@ -131,6 +134,8 @@ class AveragingTrust:
             node_id = authenticated_node_id(context)
             if node_id is None:
                 return Speaker(None, AveragingReject.UNAUTHENTICATED)
+            claimed = spec.members[h.sender].node_id if h.sender < len(spec.members) else None
+            return Speaker(node_id, None if node_id == claimed else AveragingReject.IMPERSONATION, True)
         else:
             if not verify_signature(h.public_key, h.signature, header_message(h)):
                 return Speaker(None, AveragingReject.BAD_SIGNATURE)
