@@ -324,6 +324,9 @@ def robust_filter(
     (NaN/Inf, or overflowing fp32) is left out; so is one whose norm is over `max_norm_ratio` × the
     lower median of the finite norms (with two members, the smaller: one honest member is enough to
     screen the other). Returns the kept contributions and the left-out ones' indices and reasons."""
+    if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
+        kept = [c for c in contributions if bool(torch.isfinite(c[2]).all())]
+        return kept, tuple((c[0], Exclusion.NONFINITE) for c in contributions if c not in kept)
     norms = [float(torch.linalg.vector_norm(values)) for _, _, values in contributions]
     finite = sorted(x for x in norms if math.isfinite(x))
     bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
