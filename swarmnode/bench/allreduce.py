@@ -6,22 +6,32 @@ each: the members share the machine's cores). A round tells every member the gro
 early are held), then starts them together; its time is the slowest member's `AllReduceResult.seconds`.
 The bound is what the butterfly must move through each member's link: 2(N−1)/N · bytes, at the speed of
 a raw loopback TCP transfer of the same bytes between two processes, sampled beside each round.
+
+`--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, no
+norm screening) in the same run: `robust` (the norm screening), `signed` (signed headers and chunks:
+token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), each with screening.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
+import ipaddress
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from swarmnode.bench.fetch import raw_receive
 from swarmnode.bench.runner import BenchResult, median
 from swarmnode.core.model import build_model, count_parameters
 from swarmnode.core.presets import preset
+from swarmnode.net.identity import Identity
 from swarmnode.swarm.allreduce import GroupSpec
 from swarmnode.swarm.codecs import encoded_size
 from swarmnode.swarm.wire import WIRE_DTYPES, Member
@@ -30,12 +40,88 @@ from swarmnode.util.procs import Worker
 
 WORKER_START_S = 120.0
 ROUND_TIMEOUT_S = 300.0
+TRUST_MODES = ("plain", "robust", "signed", "tls")
 
 
-def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 3) -> BenchResult:
-    """`nodes`: group members (processes); `rounds`: all-reduces per wire dtype."""
+def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResult:
+    """bf16 all-reduces of the preset's Δ among `nodes` processes per trust mode, each against plain."""
+    result = BenchResult("allreduce-trust", preset_name)
+    numel = _param_count(preset_name)
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp)
+        ids = [Identity.load_or_create(keys / f"m{k}.key").node_id_hex for k in range(nodes)]
+        for k, node_id in enumerate(ids):
+            (keys / f"m{k}.key").rename(keys / f"{node_id}.key")
+        _write_pki(keys, ids)
+        for mode in TRUST_MODES:
+            with contextlib.ExitStack() as children:
+                workers = [
+                    children.enter_context(Worker(keys, "average", node_id, mode, str(keys)))
+                    for node_id in ids
+                ]
+                members = tuple(
+                    Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
+                    for node_id, worker in zip(ids, workers, strict=True)
+                )
+                seconds, coverage = [], 1.0
+                for r in range(rounds):
+                    spec = GroupSpec("bench", r, f"{mode}-{r}", members, "bf16", ROUND_TIMEOUT_S)
+                    replies = _one_round(workers, spec, numel)
+                    coverage = min([coverage, *(reply["coverage"] for reply in replies)])
+                    seconds.append(max(reply["seconds"] for reply in replies))
+            best[mode] = min(seconds)
+            note = f"median {median(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}"
+            result.add(f"all-reduce bf16, {mode}", best[mode] * 1e3, "ms", note)
+    for mode in TRUST_MODES[1:]:
+        result.ratio(f"all-reduce bf16 {mode} / plain", best[mode] / best["plain"], "cost of trust")
+    return result
+
+
+def _write_pki(keys: Path, ids: list[str]) -> None:
+    """A CA (`ca.pem`) and, per node id, a certificate naming it (`ID.pem`, key `ID.pem.key`)."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "bench CA")])
+    ca = _certificate(ca_name, ca_name, ca_key.public_key(), ca_key, True)
+    (keys / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    for node_id in ids:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, node_id)])
+        cert = _certificate(name, ca_name, key.public_key(), ca_key, False)
+        (keys / f"{node_id}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (keys / f"{node_id}.pem.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+
+
+def _certificate(
+    subject: x509.Name, issuer: x509.Name, public_key: Any, signer: Any, ca: bool
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        builder = builder.add_extension(san, critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
+def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 3, trust: bool = False) -> BenchResult:
+    """`nodes`: group members (processes); `rounds`: all-reduces per wire dtype (or trust mode)."""
     if nodes < 2:
         raise ConfigError(f"--nodes: an all-reduce needs at least 2 members, got {nodes}")
+    if trust:
+        return bench_trust(preset_name, nodes, rounds)
     result = BenchResult("allreduce", preset_name)
     numel = _param_count(preset_name)
     result.add("pseudo-gradient", numel / 1e6, "M values", f"{nodes} member processes")

@@ -38,7 +38,7 @@ from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.procs import largest_child_rss_mb
 
-KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality")
+KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality", "trust")
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 
 

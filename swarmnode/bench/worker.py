@@ -7,7 +7,8 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
 - `quality diloco|dp`: says `{"side": …}`; a request `{"workers", "inner_steps", "outer_steps"}` trains
   that side of the quality comparison (`bench_quality.train_side`) and answers its held-out loss.
-- `average NODE_ID`: an `AveragingServicer` on a gRPC server. Says `{"grpc": port}`; a request
+- `average NODE_ID [TRUST_MODE KEYS_DIR]`: an `AveragingServicer` on a gRPC server (see `average`).
+  Says `{"grpc": port}`; a request
   `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
   (`{"ready": true}`); `{"go": true}` runs `butterfly_allreduce` of that group and answers its seconds,
   bytes sent and coverage.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import sys
@@ -28,9 +30,12 @@ from typing import Any
 import torch
 
 from swarmnode.net import rpc, snapshot_server
+from swarmnode.net.identity import Identity
+from swarmnode.net.security import Security
 from swarmnode.snapshot.checkpointer import read_local_snapshot
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.allreduce import AveragingServicer, GroupSpec, butterfly_allreduce
+from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -167,11 +172,29 @@ class Member:
         }
 
 
-async def average(node_id: str) -> None:
+async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = None) -> None:
+    """`trust_mode` (`bench.allreduce.TRUST_MODES`): plain (headers trusted, no norm screening), robust
+    (norm screening), signed (signed headers and chunks, screening) or tls (mutual TLS, screening);
+    `keys` holds the identity key `NODE_ID.key` and, for tls, `NODE_ID.pem`/`.pem.key` and `ca.pem`."""
     torch.set_num_threads(1)  # the group's members share the machine's cores
-    servicer = AveragingServicer(node_id)
+    trust, security = UNCHECKED, Security()
+    if trust_mode in ("signed", "tls") and keys is not None:
+        identity = Identity.load_or_create(keys / f"{node_id}.key")
+        if trust_mode == "tls":
+            security = Security.from_files(
+                None, keys / f"{node_id}.pem", keys / f"{node_id}.pem.key", keys / "ca.pem"
+            )
+        trust = AveragingTrust.for_node(identity, security.mutual_tls)
+    rpc.configure_client(security)
+    ratio = math.inf if trust_mode == "plain" else DEFAULT_MAX_NORM_RATIO
+    servicer = AveragingServicer(node_id, trust=trust, max_norm_ratio=ratio)
     server = await snapshot_server.start_server(
-        "127.0.0.1", 0, _NoSnapshots(), _status(node_id), extra_servicers=[servicer.register]
+        "127.0.0.1",
+        0,
+        _NoSnapshots(),
+        _status(node_id),
+        extra_servicers=[servicer.register],
+        security=security,
     )
     say({"grpc": server.port})
     try:
@@ -200,7 +223,7 @@ def main(argv: list[str]) -> None:
     if role == "serve":
         asyncio.run(serve(Path(args[0]) if args else None))
     elif role == "average":
-        asyncio.run(average(args[0]))
+        asyncio.run(average(args[0], *args[1:2], *(Path(a) for a in args[2:3])))
     elif role == "quality":
         asyncio.run(quality(args[0]))
     else:

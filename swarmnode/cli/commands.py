@@ -23,7 +23,10 @@ def fetch_command(address: str, snapshot: str | None, out: Path) -> int:
     except ValueError as exc:
         print(f"swarmnode fetch: {exc}", file=sys.stderr)
         return 2
-    except (PeerUnavailable, OSError) as exc:
+    except PeerUnavailable as exc:
+        print(refusal_line("fetch", address, exc), file=sys.stderr)
+        return 1
+    except OSError as exc:
         print(f"swarmnode fetch: {exc}", file=sys.stderr)
         return 1
     meta = result.metadata
@@ -45,10 +48,27 @@ def status_command(address: str, as_json: bool) -> int:
         print(f"swarmnode status: {exc}", file=sys.stderr)
         return 2
     except PeerUnavailable as exc:
-        print(f"swarmnode status: {exc}", file=sys.stderr)
+        print(refusal_line("status", address, exc), file=sys.stderr)
         return 1
     print(json.dumps(dataclasses.asdict(status), indent=2) if as_json else format_status(status))
     return 0
+
+
+_HANDSHAKE_SIGNS = ("Socket closed", "handshake", "SSL", "Connection reset", "Broken pipe")
+"""What gRPC's UNAVAILABLE detail says when the server ended the connection during the TLS handshake
+(a node with --tls-ca requires a client certificate its CA signed; gRPC cannot tell the caller more)."""
+
+
+def refusal_line(command: str, address: str, exc: PeerUnavailable) -> str:
+    """The one line a failed call prints; a refused TLS handshake is named as such."""
+    detail = str(exc)
+    if exc.reason == "unreachable" and any(sign in detail for sign in _HANDSHAKE_SIGNS):
+        return (
+            f"swarmnode {command}: {address} refused the TLS handshake (UNAVAILABLE): a node with --tls-ca "
+            "requires a client certificate its CA signed; give --tls-ca, --tls-cert and --tls-key "
+            "(or SWARMNODE_TLS_CA/_CERT/_KEY)"
+        )
+    return f"swarmnode {command}: {detail}"
 
 
 def format_status(status: NodeStatus) -> str:

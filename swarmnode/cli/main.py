@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
+    bench.add_argument(
+        "--trust",
+        action="store_const",
+        const=True,
+        help="allreduce: the cost of robust aggregation, signatures and mutual TLS vs the plain all-reduce",
+    )
     return parser
 
 

@@ -226,7 +226,7 @@ class TrainingRun:
         p = self.progress
         assert p.committed_cursor is not None
         in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
-        delta = self.trainer.pseudo_gradient()
+        delta = _poisoned(self.trainer.pseudo_gradient(), p.outer_step + 1)
         return RoundStart(
             p.outer_step,
             dict(p.committed_cursor),
@@ -370,3 +370,18 @@ class TrainingRun:
         p.swarm_cursors = {node: dict(cursor) for node, cursor in meta.swarm_cursors.items()}
         p.committed_cursor = dict(meta.committed_cursor) if keep_round else self.loader.state_dict()
         self.metrics.outer_step.set(p.outer_step)
+
+
+def _poisoned(delta: torch.Tensor, round_index: int) -> torch.Tensor:
+    """Test-only (`scale@delta`, `nan@delta`): a copy of Δ scaled, or with NaNs in every part, to hand
+    to the all-reduce as a poisoner would; the trainer's own Δ is untouched. Inert unless set."""
+    scale, nan = faults.due("scale", "delta", round_index), faults.due("nan", "delta", round_index)
+    if scale is None and nan is None:
+        return delta
+    poisoned = delta.clone()
+    if scale is not None:
+        poisoned.mul_(scale.arg if scale.arg is not None else 1000.0)
+    if nan is not None:
+        poisoned[::997] = float("nan")  # every part of any group holds some
+    logger.warning("fault: round %d's pseudo-gradient is poisoned (%s)", round_index, scale or nan)
+    return poisoned

@@ -1,4 +1,5 @@
-"""Who may talk to a node: optional TLS for gRPC, client certificates, and a swarm token on every RPC.
+"""Who may talk to a node: optional TLS for gRPC, mutual TLS with the swarm's CA, and a swarm token on
+every RPC (README "Trust" has the threat model).
 
 - `--swarm-token`: every RPC must carry it (metadata `x-swarmnode-token`); a call without it, or with
   another, ends UNAUTHENTICATED before any handler runs. It is compared in constant time and never
@@ -6,25 +7,25 @@
   it cannot even find the swarm's records.
 - `--tls-cert/--tls-key`: the node serves gRPC over TLS with that certificate, and uses it as a client.
 - `--tls-ca`: the CA that signs the swarm's certificates. Clients verify a node's certificate against
-  it (certificates need the advertised host, name or IP, among their subject alternative names), and a
-  node requires every caller to present a certificate it signed. gRPC Python can only require client
-  certificates inside the TLS handshake, where a refusal reaches the caller as UNAVAILABLE; so callers
-  prove their certificate per call instead: the DER certificate plus a signature, with its key, over
-  the call's method and time (`x-swarmnode-cert-bin`, `x-swarmnode-proof-bin`, `x-swarmnode-time`).
-  A call without a valid proof ends UNAUTHENTICATED. Over TLS nobody but the server sees a proof, and
-  it names one method within a few minutes.
+  it (certificates need the advertised host, name or IP, among their subject alternative names), and
+  the server requires a client certificate it signed *in the TLS handshake*: a caller without one never
+  reaches a handler, not even health; gRPC reports that refusal to the caller as UNAVAILABLE (the
+  server closes the connection during the handshake), which `swarmnode status/fetch` explain in one
+  line. A node's certificate names its node id as its subject common name (`NODE_ID_PATTERN`), so the
+  averaging reducer knows which member is speaking from the connection itself
+  (`authenticated_node_id`); a node refuses to start with a certificate that names another id.
+  There is no per-call proof: a handshake cannot be replayed to another node or for another request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import functools
 import hashlib
 import hmac
 import inspect
-import time
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +33,13 @@ from typing import Any
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 TOKEN_HEADER = "x-swarmnode-token"
-CERT_HEADER = "x-swarmnode-cert-bin"
-PROOF_HEADER = "x-swarmnode-proof-bin"
-TIME_HEADER = "x-swarmnode-time"
-PROOF_WINDOW_S = 300.0
-MAX_REMEMBERED_CERTIFICATES = 1024
+NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")
+"""A node id as a certificate's common name names it: 40 lowercase hex digits."""
 _REFUSAL = "this swarm requires credentials the call did not carry"
 
 
@@ -65,11 +63,35 @@ class Security:
     def tls(self) -> bool:
         return self.tls_cert is not None or self.tls_ca is not None
 
+    @property
+    def mutual_tls(self) -> bool:
+        """The node serves TLS and requires every caller's certificate, signed by `tls_ca`, in the
+        handshake: the caller's node id is then known from its connection."""
+        return self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None or self.tls_key is None:
             return None
-        # Client certificates are checked per call by `ServerGuard` (see the module docstring).
-        return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)])
+        if self.tls_ca is None:
+            return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)])
+        return grpc.ssl_server_credentials(
+            [(self.tls_key, self.tls_cert)], root_certificates=self.tls_ca, require_client_auth=True
+        )
+
+    def check_node_certificate(self, node_id: str) -> None:
+        """With mutual TLS, the node's certificate must name `node_id` as its common name (peers take
+        the sender of averaging messages from it); ValueError naming --tls-cert otherwise."""
+        if not self.mutual_tls or self.tls_cert is None:
+            return
+        names = x509.load_pem_x509_certificate(self.tls_cert).subject.get_attributes_for_oid(
+            x509.NameOID.COMMON_NAME
+        )
+        common_name = str(names[0].value) if names else ""
+        if common_name != node_id:
+            raise ValueError(
+                f"--tls-cert: with --tls-ca a node's certificate must name its node id {node_id} as its "
+                f"common name (CN), got {common_name!r}"
+            )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:
@@ -78,22 +100,13 @@ class Security:
             root_certificates=self.tls_ca, private_key=self.tls_key, certificate_chain=self.tls_cert
         )
 
-    def call_metadata(self, method: str) -> list[tuple[str, str | bytes]]:
-        """What an outgoing call to `method` carries: the token and, with a certificate, its proof."""
-        metadata: list[tuple[str, str | bytes]] = [(TOKEN_HEADER, self.token)] if self.token else []
-        if self._client_identity is not None:
-            cert_der, key = self._client_identity
-            stamp = f"{time.time():.3f}"
-            metadata += [
-                (CERT_HEADER, cert_der),
-                (PROOF_HEADER, _sign(key, f"{stamp}|{method}".encode())),
-                (TIME_HEADER, stamp),
-            ]
-        return metadata
+    def call_metadata(self) -> list[tuple[str, str | bytes]]:
+        """What every outgoing call carries: the token, if the swarm has one."""
+        return [(TOKEN_HEADER, self.token)] if self.token else []
 
     @functools.cached_property
     def _client_identity(self) -> tuple[bytes, Any] | None:
-        """The DER certificate and the private key that sign each call's proof, parsed once."""
+        """The DER certificate and its private key, parsed once (so bad files fail at start-up)."""
         if self.tls_cert is None or self.tls_key is None:
             return None
         try:
@@ -134,69 +147,16 @@ def _read(path: Path | None, flag: str) -> bytes | None:
         raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc.strerror}") from None
 
 
-def _sign(key: Any, message: bytes) -> bytes:
-    if isinstance(key, ec.EllipticCurvePrivateKey):
-        return key.sign(message, ec.ECDSA(hashes.SHA256()))
-    if isinstance(key, rsa.RSAPrivateKey):
-        return key.sign(message, padding.PKCS1v15(), hashes.SHA256())
-    return key.sign(message)  # Ed25519 (the key type is checked when it is parsed)
-
-
-def _verify(public_key: Any, signature: bytes, message: bytes) -> None:
-    if isinstance(public_key, ec.EllipticCurvePublicKey):
-        public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
-    elif isinstance(public_key, rsa.RSAPublicKey):
-        public_key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
-    elif isinstance(public_key, ed25519.Ed25519PublicKey):
-        public_key.verify(signature, message)
-    else:
-        raise InvalidSignature("unsupported key type")
-
-
-class CertificateCheck:
-    """Verifies a caller's per-call certificate proof against the swarm's CA. A certificate's CA
-    signature is checked once (the swarm's few certificates are remembered); its validity period and
-    the call's proof, every call."""
-
-    def __init__(self, ca_pem: bytes) -> None:
-        self._cas = x509.load_pem_x509_certificates(ca_pem)
-        self._issued: dict[bytes, x509.Certificate] = {}  # DER -> certificate the CA signed
-
-    def verify(self, metadata: dict[str, Any], method: str) -> bool:
-        try:
-            cert = self._signed_by_ca(metadata[CERT_HEADER])
-            stamp = metadata[TIME_HEADER]
-            now = datetime.datetime.now(datetime.UTC)
-            if (
-                cert is None
-                or abs(time.time() - float(stamp)) > PROOF_WINDOW_S
-                or not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
-            ):
-                return False
-            _verify(cert.public_key(), metadata[PROOF_HEADER], f"{stamp}|{method}".encode())
-        except (KeyError, ValueError, TypeError, InvalidSignature):
-            return False
-        return True
-
-    def _signed_by_ca(self, der: bytes) -> x509.Certificate | None:
-        cert = self._issued.get(der)
-        if cert is None:
-            cert = x509.load_der_x509_certificate(der)
-            if not self._issued_by_ca(cert):
-                return None
-            if len(self._issued) >= MAX_REMEMBERED_CERTIFICATES:
-                self._issued.pop(next(iter(self._issued)))
-            self._issued[der] = cert
-        return cert
-
-    def _issued_by_ca(self, cert: x509.Certificate) -> bool:
-        for ca in self._cas:
-            try:
-                cert.verify_directly_issued_by(ca)
-                return True
-            except (ValueError, TypeError, InvalidSignature):
-                continue
-        return False
+def authenticated_node_id(context: Any) -> str | None:
+    """The node id the caller's TLS client certificate names (its common name, when it is a node id),
+    or None: no mutual TLS, or a certificate of a person or script rather than a node. Only
+    meaningful on a server that requires client certificates (`Security.mutual_tls`)."""
+    try:
+        names = context.auth_context().get("x509_common_name") or ()
+    except (AttributeError, RuntimeError):
+        return None
+    name = names[0].decode("ascii", "replace") if len(names) == 1 else ""
+    return name if NODE_ID_PATTERN.fullmatch(name) else None
 
 
 class _Credentials:
@@ -206,8 +166,7 @@ class _Credentials:
         self._security = security
 
     def _with_credentials(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._security.call_metadata(method))
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._security.call_metadata())
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
@@ -238,7 +197,7 @@ def credential_interceptors(security: Security) -> list[Any]:
     since grpc.aio files an interceptor under the first kind it implements only (one that implements
     all four would see unary-unary calls alone: streams would go out without the token); none when
     there is nothing to add."""
-    if not security.token and security._client_identity is None:
+    if not security.token:
         return []
     kinds = (
         _UnaryUnaryCredentials,
@@ -250,13 +209,12 @@ def credential_interceptors(security: Security) -> list[Any]:
 
 
 class ServerGuard(grpc.aio.ServerInterceptor):
-    """Runs before every handler: a call without the swarm token (or, with a CA, without a valid
-    certificate proof) ends UNAUTHENTICATED, and `on_reject` counts it; a request message that does not
-    decode ends INVALID_ARGUMENT (where gRPC itself would answer UNKNOWN)."""
+    """Runs before every handler: a call without the swarm token ends UNAUTHENTICATED, and `on_reject`
+    counts it (client certificates are checked earlier, in the handshake); a request message that does
+    not decode ends INVALID_ARGUMENT (where gRPC itself would answer UNKNOWN)."""
 
     def __init__(self, security: Security, on_reject: Callable[[str], None] | None = None) -> None:
         self._token = security.token.encode() if security.token else None
-        self._certificates = CertificateCheck(security.tls_ca) if security.tls_ca is not None else None
         self._on_reject = on_reject
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
@@ -270,11 +228,10 @@ class ServerGuard(grpc.aio.ServerInterceptor):
 
     def _admits(self, details: grpc.HandlerCallDetails) -> bool:
         metadata = dict(details.invocation_metadata or ())
-        if self._token is not None:
-            given = metadata.get(TOKEN_HEADER)
-            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self._token):
-                return False
-        return self._certificates is None or self._certificates.verify(metadata, details.method)
+        if self._token is None:
+            return True
+        given = metadata.get(TOKEN_HEADER)
+        return isinstance(given, str) and hmac.compare_digest(given.encode(), self._token)
 
 
 UNDECODABLE = object()

@@ -56,7 +56,7 @@ from swarmnode.net.rpc import (
     serialize,
     status_to_pb,
 )
-from swarmnode.net.security import Security, ServerGuard
+from swarmnode.net.security import Security, ServerGuard, authenticated_node_id
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.snapshot.format import SnapshotInfo
@@ -224,6 +224,13 @@ def peer_host(peer: str) -> str:
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
+def peer_key(context: Any) -> str:
+    """Whom the per-peer serving limit counts a stream against: the node id its TLS client certificate
+    names (many volunteers share one NAT address), else its host (`peer_host`)."""
+    node_id = authenticated_node_id(context)
+    return f"node:{node_id}" if node_id is not None else peer_host(context.peer())
+
+
 class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
     """`SnapshotService` over a catalog and a status provider (see the .proto for the contract)."""
 
@@ -257,7 +264,7 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
     async def FetchSnapshot(self, request: pb.FetchSnapshotRequest, context: Any) -> None:
         info = await self._admit(request, context)
         stop = self._stop_offset(info, request.offset)
-        peer = peer_host(context.peer())
+        peer = peer_key(context)
         self._serving += 1
         self._per_peer[peer] += 1
         try:
@@ -321,7 +328,7 @@ class _SnapshotServicer(pb_grpc.SnapshotServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"serving {self._serving}/{self._max_serving} snapshot streams; try another peer or later",
             )
-        elif self._per_peer[peer_host(context.peer())] >= self._max_per_peer:
+        elif self._per_peer[peer_key(context)] >= self._max_per_peer:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"already serving {self._max_per_peer} snapshot stream(s) to your address; one at a time",

@@ -20,7 +20,8 @@ from typing import Any
 
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.snapshot.format import LAYOUTS
-from swarmnode.swarm.wire import WIRE_DTYPES
+from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
+from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.validate import parse_host_port
 
@@ -71,6 +72,7 @@ class NodeConfig:
     max_serving_per_peer: int = 1
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 30.0
+    max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
     wire_dtype: str = "bf16"
     min_coverage: float = 0.5
     reachable: str = "auto"
@@ -121,6 +123,14 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--shard: must be below --num-shards ({cfg.num_shards}), got {cfg.shard}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("--tls-cert/--tls-key: give both or neither")
+    for flag, value in (
+        ("--matchmaking-timeout", cfg.matchmaking_timeout_s),
+        ("--allreduce-timeout", cfg.allreduce_timeout_s),
+    ):
+        if value > MAX_TIMEOUT_S:
+            raise ConfigError(f"{flag}: at most {MAX_TIMEOUT_S:g} seconds, got {value:g}")
+    if not cfg.max_norm_ratio > 1:
+        raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
 
@@ -334,6 +344,12 @@ FLAGS: tuple[Flag, ...] = (
         metavar="SECONDS",
     ),
     Flag("wire_dtype", _choice(WIRE_DTYPES), "dtype of pseudo-gradients on the wire", choices=WIRE_DTYPES),
+    Flag(
+        "max_norm_ratio",
+        _positive_float,
+        "a contribution whose norm is over this many times its part's median is left out of the average",
+        metavar="RATIO",
+    ),
     Flag(
         "min_coverage",
         _fraction,

@@ -70,6 +70,7 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
     checked = preflight(cfg)
     lock = lock_data_dir(cfg.data_dir)
     identity = Identity.load_or_create(cfg.identity_path)
+    checked.security.check_node_certificate(identity.node_id_hex)
     configure_determinism(checked.device, cfg.threads)
     shard = cfg.shard if cfg.shard is not None else shard_for_node(identity.node_id, cfg.num_shards)
     loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)

@@ -37,6 +37,7 @@ from swarmnode.swarm.matchmaking import Matchmaker
 from swarmnode.swarm.reachability import ReachabilityMonitor, initial_mode
 from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.rounds import RoundResult, SwarmRounds
+from swarmnode.swarm.trust import AveragingTrust
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util import clock, faults
 from swarmnode.util.errors import ConfigError
@@ -103,11 +104,15 @@ async def start_services(
     stack.push_async_callback(channels.close)  # after every user of the channels stopped
     stack.push_async_callback(asyncio.to_thread, checkpointer.close)  # after the server that serves it
     proposals = _Proposals()
+    trust = AveragingTrust.for_node(identity, security.mutual_tls)
     averaging = AveragingServicer(
         node_id,
         on_proposal=proposals,
         on_rejected=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
         led_group=proposals.led_group,
+        trust=trust,
+        max_norm_ratio=cfg.max_norm_ratio,
+        on_excluded=lambda reason: metrics.averaging_excluded.labels(reason).inc(),
     )
     dial_back = DialBackServicer(on_dial=lambda result: metrics.dial_backs.labels(result).inc())
     mode = initial_mode(cfg.reachable, bool(cfg.peers))
@@ -137,7 +142,7 @@ async def start_services(
         on_mode=metrics.set_reachability,
         channels=channels,
     )
-    matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels, reachability)
+    matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels, reachability, trust)
     proposals.matchmaker = matchmaker
     rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
@@ -153,6 +158,7 @@ def _matchmaker(
     run_digest: str,
     channels: rpc.ChannelCache,
     reachability: ReachabilityMonitor,
+    trust: AveragingTrust,
 ) -> Matchmaker:
     return Matchmaker(
         dht,
@@ -163,9 +169,9 @@ def _matchmaker(
         cfg.wire_dtype,
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
-        functools.partial(propose_group, channels=channels),
+        functools.partial(propose_group, channels=channels, trust=trust),
         reachable=reachability.reachable,
-        fetch_group=functools.partial(fetch_group, channels=channels),
+        fetch_group=functools.partial(fetch_group, channels=channels, trust=trust),
     )
 
 

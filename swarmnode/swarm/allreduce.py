@@ -41,6 +41,7 @@ from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
 from swarmnode.swarm import codecs, wire
 from swarmnode.swarm.reducer import AveragingServicer, LocalReduction
+from swarmnode.swarm.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.wire import EXCHANGE_METHOD, GroupSpec
 from swarmnode.util import faults
 from swarmnode.util.aio import settle
@@ -136,6 +137,8 @@ class _Butterfly:
         now = asyncio.get_running_loop().time()
         self.deadline, self.collect_deadline = now + spec.timeout_s, now + COLLECT_SHARE * spec.timeout_s
         self.images: dict[int, memoryview] = {}
+        self.signatures: dict[int, list[bytes]] = {}
+        """Per part sent: one signature per chunk (none with mutual TLS: the connection says who)."""
         self.parts: dict[int, _Part] = {}
         """The parts whose average arrived whole."""
         self.bytes_sent, self.parts_out = 0, 0
@@ -150,6 +153,7 @@ class _Butterfly:
         tasks: list[asyncio.Task[None]] = []
         try:
             self.images = await asyncio.to_thread(self._encode_parts)
+            self.signatures = await asyncio.to_thread(self._sign_parts)
             await faults.ahit("allreduce_send")  # before the first part
             tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
             if self.spec.reduces(self.me):
@@ -178,6 +182,10 @@ class _Butterfly:
             for k in self.peers
         }
 
+    def _sign_parts(self) -> dict[int, list[bytes]]:
+        trust = self.servicer.trust
+        return {k: trust.sign_chunks(self.spec, k, wire.chunks(image)) for k, image in self.images.items()}
+
     def _assemble(self) -> AveragedDelta:
         n = self.delta.numel()
         out = torch.zeros(n, dtype=torch.float32)
@@ -197,7 +205,8 @@ class _Butterfly:
         out (or at the collect deadline), publishes the result, and waits until it was delivered."""
         await rnd.contributions_in(self.collect_deadline)
         await _wait_until(self.sends_done, self.collect_deadline)
-        averaged = await rnd.reduce(self.spec.wire_dtype)
+        averaged = await rnd.reduce(self.spec.wire_dtype, self.servicer.max_norm_ratio)
+        self.servicer.report_exclusions(self.spec, averaged)
         await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:
@@ -263,13 +272,14 @@ class _Butterfly:
 
     async def _write(self, call: Any, k: int) -> None:
         header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
+        header = self.servicer.trust.sign_header(_lie(header, self.spec, self.me, k))
         try:
             await call.write(pb.Contribution(header=header))
             # Stream only once the reducer admitted the header: writing into a call that it refused
             # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
             if tuple(await call.initial_metadata()) != wire.ADMITTED:
                 return
-            for message, size in wire.chunk_messages(self.images[k]):
+            for message, size in wire.chunk_messages(self.images[k], self.signatures.get(k, ())):
                 self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
                 await call.write(message)
             await call.done_writing()
@@ -327,20 +337,36 @@ def _included(indices: Any, group_size: int) -> frozenset[int]:
     return frozenset(members)
 
 
+def _lie(header: pb.ContributionHeader, spec: GroupSpec, me: int, k: int) -> pb.ContributionHeader:
+    """Test-only (`lie@sender`, `lie@part`): a header that claims another member's index and id, or
+    another member's part; inert unless the fault is set."""
+    others = [i for i in range(len(spec.members)) if i not in (me, k)]
+    if faults.find("lie", "sender") is not None and others:
+        header.sender, header.node_id = others[0], spec.members[others[0]].node_id
+    if faults.find("lie", "part") is not None and others:
+        header.part = others[0]
+    return header
+
+
 def _not_known_yet(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def propose_group(
-    address: str, spec: GroupSpec, timeout_s: float, channels: rpc.ChannelCache | None = None
+    address: str,
+    spec: GroupSpec,
+    timeout_s: float,
+    channels: rpc.ChannelCache | None = None,
+    trust: AveragingTrust = UNCHECKED,
 ) -> bool:
-    """Asks the member at HOST:PORT to join the group; False on refusal or any failure."""
+    """Asks the member at HOST:PORT to join the group, signed as its leader by `trust`'s identity;
+    False on refusal or any failure."""
     try:
         async with rpc.peer_channel(address, channels) as channel:
             # wait_for_ready: a cached channel still reconnecting to a member that was away is given
             # the proposal's time to come back, rather than failing it at once.
             reply = await pb_grpc.AveragingServiceStub(channel).Propose(
-                wire.spec_to_pb(spec), timeout=timeout_s, wait_for_ready=True
+                trust.sign_proposal(wire.spec_to_pb(spec)), timeout=timeout_s, wait_for_ready=True
             )
     except (grpc.aio.AioRpcError, ValueError) as exc:
         logger.info("proposal of group %s to %s failed: %s", spec.group_id, address, exc)
@@ -357,14 +383,16 @@ async def fetch_group(
     node_id: str,
     timeout_s: float,
     channels: rpc.ChannelCache | None = None,
+    trust: AveragingTrust = UNCHECKED,
 ) -> GroupSpec | bool | None:
-    """A client member asks the leader at HOST:PORT for the group it froze in `outer_step`: the group;
-    False when the leader froze one without this node; None when it has none (yet) or failed."""
+    """A client member asks the leader at HOST:PORT for the group it froze in `outer_step`: the group
+    (signed by one of its members, checked by `trust`); False when the leader froze one without this
+    node; None when it has none (yet), failed, or sent a group nobody in it signed."""
     request = pb.AwaitGroupRequest(run_id=run_id, round=outer_step, node_id=node_id)
     try:
         async with rpc.peer_channel(address, channels) as channel:
             reply = await pb_grpc.AveragingServiceStub(channel).AwaitGroup(request, timeout=timeout_s)
-        return wire.spec_from_pb(reply)
+        spec = wire.spec_from_pb(reply)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return False
@@ -373,3 +401,8 @@ async def fetch_group(
     except ValueError as exc:
         logger.info("leader %s sent a malformed group: %s", address, exc)
         return None
+    refusal = trust.group_refusal(reply, spec)
+    if refusal is not None:
+        logger.info("leader %s sent a group no member of it signed (%s)", address, refusal)
+        return None
+    return spec

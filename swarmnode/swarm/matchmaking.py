@@ -331,7 +331,9 @@ class Matchmaker:
         """Wait for the leader's proposal until its deadline plus a grace period, or until the leader
         is seen to have frozen its group (or moved to a later round) without proposing to this node."""
         assert self._proposal is not None
-        give_up = time.monotonic() + max(leader.deadline - clock.now(), 0.0) + PROPOSE_TIMEOUT_S + 1.0
+        # The leader's deadline is its own word: a follower waits for it at most its own timeout.
+        wait_s = min(max(leader.deadline - clock.now(), 0.0), self.timeout_s)
+        give_up = time.monotonic() + wait_s + PROPOSE_TIMEOUT_S + 1.0
         key, closed = round_key(self.run_id), False
         while time.monotonic() < give_up:
             if not self.reachable():

@@ -1,6 +1,17 @@
-"""The reducer side of the butterfly all-reduce (`averaging.py` has the algorithm and its failure
+"""The reducer side of the butterfly all-reduce (`allreduce.py` has the algorithm and its failure
 semantics): `AveragingService`, which answers group proposals and averages the part of Δ this node
 reduces from the contributions other members stream to it.
+
+Trust (`trust.py`): a contribution is admitted only from the member it claims to be (its certificate
+or its signature says so); a caller proven to be member j that lies in its header (another sender
+index, another member's part) is refused, counted, and no longer waited for. Every chunk must continue
+the part's bytes in order (and, without mutual TLS, carry its sender's signature). A group proposal
+must be signed by one of its members.
+
+Robust aggregation (`average`): a contribution holding NaN/Inf, or whose norm is over
+`max_norm_ratio` × the lower median of the part's contribution norms, is left out of the average (its
+tokens are not counted, it is not among the members the result names), counted by reason and logged
+once per peer.
 """
 
 from __future__ import annotations
@@ -8,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +30,10 @@ import torch
 from swarmnode.net import rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, wire
+from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.aio import settle
+from swarmnode.util.labels import AveragingReject, Exclusion
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +54,8 @@ class Averaged:
     included: tuple[int, ...] = ()
     image: memoryview | None = None
     values: torch.Tensor | None = None
+    excluded: tuple[tuple[int, Exclusion], ...] = ()
+    """Members whose contributions the robust aggregation left out, and why."""
 
     @property
     def contributors(self) -> int:
@@ -47,6 +63,10 @@ class Averaged:
 
 
 _NOT_AVERAGED = Averaged()
+_CODES = {
+    AveragingReject.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    AveragingReject.IMPERSONATION: grpc.StatusCode.PERMISSION_DENIED,
+}
 Contribution = tuple[int, float, "torch.Tensor | bytearray"]
 """(member index, token weight, values or their wire image)."""
 
@@ -61,6 +81,10 @@ class _Refused(Exception):
 
 def _invalid(message: str) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid", message)
+
+
+def _denied(reason: AveragingReject, message: str) -> _Refused:
+    return _Refused(grpc.StatusCode.PERMISSION_DENIED, reason, message)
 
 
 async def _settle(*tasks: asyncio.Task[Any]) -> None:
@@ -80,6 +104,8 @@ class _PartRound:
         self.waiting = set(range(len(spec.members))) - {my_index}
         """Senders that may still deliver a whole contribution."""
         self.seen: set[int] = set()
+        self.refused: set[int] = set()
+        """Members proven to have lied to this reducer: not waited for, never admitted."""
         self.open: set[int] = set()
         self.contributions: dict[int, tuple[float, bytearray]] = {}
         self.closed = False
@@ -97,16 +123,48 @@ class _PartRound:
         self.started.set()
         self._check_all_in()
 
-    def attach(self, h: pb.ContributionHeader) -> int:
+    def attach(self, h: pb.ContributionHeader, speaker: Speaker) -> int:
+        """Admits a call from the member its header names; `_Refused` otherwise (a member proven to
+        have sent a lying header itself is refused for the rest of the round, and no longer waited for)."""
+        group = self.spec.group_id
+        if speaker.refusal in (AveragingReject.UNAUTHENTICATED, AveragingReject.BAD_SIGNATURE):
+            raise _denied(speaker.refusal, f"group {group}: the caller did not prove which member it is")
+        speaking = self._member_index(speaker.node_id)
+        if speaker.node_id is not None and speaking is None:
+            raise _denied(
+                AveragingReject.IMPERSONATION, f"group {group}: node {speaker.node_id} is no member"
+            )
+        if speaking in self.refused:
+            raise _denied(AveragingReject.IMPERSONATION, f"group {group}: member {speaking} lied before")
         problem = wire.header_problem(h, self.spec, self.my_index)
+        if problem is None and speaker.refusal is not None:
+            problem = f"member {speaking} claims to be member {h.sender}"
         if problem:
-            raise _invalid(f"group {self.spec.group_id}: {problem}")
+            # A lie is the speaker's own when its connection proves who it is, or when it signed a
+            # header claiming another member; a signed header for another part or round may be a
+            # replay of an honest one, so that call alone is refused.
+            own_lie = speaker.by_connection or speaker.refusal is not None
+            if speaking is not None and speaking != self.my_index and own_lie:
+                self.refuse(speaking)
+            reason = AveragingReject.IMPERSONATION if speaker.refusal is not None else AveragingReject.INVALID
+            raise _Refused(_CODES[reason], reason, f"group {group}: {problem}")
         if h.sender in self.seen:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} called twice")
         self.seen.add(h.sender)
         self.open.add(h.sender)
         self.idle.clear()
         return int(h.sender)
+
+    def _member_index(self, node_id: str | None) -> int | None:
+        if node_id is None:
+            return None
+        return next((k for k, m in enumerate(self.spec.members) if m.node_id == node_id), None)
+
+    def refuse(self, member: int) -> None:
+        """Member `member` lied to this reducer: its contribution is not waited for, nor admitted."""
+        self.refused.add(member)
+        self.waiting.discard(member)
+        self._check_all_in()
 
     def detach(self, sender: int) -> None:
         self.open.discard(sender)
@@ -146,10 +204,12 @@ class _PartRound:
         if h.total_elements != self.total or h.part_elements != self.part_len:
             raise _invalid(f"sizes {h.total_elements}/{h.part_elements}, not {self.total}/{self.part_len}")
 
-    async def collect(self, context: Any, sender: int, weight: float) -> Averaged:
+    async def collect(
+        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust
+    ) -> Averaged:
         """Receives a sender's contribution, then waits for this part's result (a late sender gets
         the result too: its reception is cut short)."""
-        receiving = asyncio.create_task(self._receive(context, sender, weight), name=f"receive-{sender}")
+        receiving = asyncio.create_task(self._receive(context, sender, h, trust), name=f"receive-{sender}")
         try:
             await asyncio.wait((receiving, self.result), return_when=asyncio.FIRST_COMPLETED)
             if receiving.done():
@@ -158,9 +218,11 @@ class _PartRound:
         finally:
             await _settle(receiving)
 
-    async def _receive(self, context: Any, sender: int, weight: float) -> None:
+    async def _receive(
+        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust
+    ) -> None:
         image = bytearray(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
-        got = 0
+        got, index = 0, 0
         while got < len(image):
             msg = await context.read()
             if msg is _EOF:  # the call broke (or the sender gave up) before the whole part
@@ -170,9 +232,17 @@ class _PartRound:
             if not isinstance(msg, pb.Contribution):  # undecodable (security.UNDECODABLE)
                 raise _invalid("a contribution message does not decode")
             try:
-                got += wire.take_chunk(msg, image, got)
+                size = wire.take_chunk(msg, image, got)
             except ValueError as exc:
-                raise _invalid(str(exc)) from None
+                raise _Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, AveragingReject.CHUNK_ORDER, str(exc)
+                ) from None
+            if not trust.chunk_ok(h, self.spec, index, msg):
+                raise _denied(
+                    AveragingReject.BAD_SIGNATURE, f"chunk {index} of member {sender}: bad signature"
+                )
+            got, index = got + size, index + 1
+        weight = h.weight
         if self.closed:
             logger.info("group %s: member %d's part came after the reduction", self.spec.group_id, sender)
             return
@@ -207,11 +277,11 @@ class LocalReduction:
         """Member `sender` is unreachable: no contribution will come from it (unless its call is open)."""
         self._round.give_up(sender)
 
-    async def reduce(self, wire_dtype: str) -> Averaged:
+    async def reduce(self, wire_dtype: str, max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO) -> Averaged:
         """Averages the whole contributions in (its own included; any that completes later is left out)
-        on a worker thread; `publish` then answers every caller with it."""
+        on a worker thread, robustly (see `average`); `publish` then answers every caller with it."""
         contributions = self._round.close()
-        return await asyncio.to_thread(average, contributions, wire_dtype, self.part_elements)
+        return await asyncio.to_thread(average, contributions, wire_dtype, self.part_elements, max_norm_ratio)
 
     def publish(self, averaged: Averaged) -> None:
         self._round.publish(averaged)
@@ -221,25 +291,57 @@ class LocalReduction:
         await self._round.idle.wait()
 
 
-def average(contributions: list[Contribution], wire_dtype: str, n: int) -> Averaged:
-    """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the finite contributions of positive weight (so
-    equal weights give exactly (Δ₀ + Δ₁) / 2); then its wire image and the image's decoded values,
-    which is what every member applies, and the members it averages. Runs on a worker thread."""
-    kept: list[tuple[int, float, torch.Tensor]] = []
+def average(
+    contributions: list[Contribution], wire_dtype: str, n: int, max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
+) -> Averaged:
+    """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the contributions of positive weight that pass
+    the robust filter (`robust_filter`), so equal weights give exactly (Δ₀ + Δ₁) / 2; then its wire
+    image and the image's decoded values, which is what every member applies, the members it averages
+    and those it left out. Runs on a worker thread."""
+    decoded: list[tuple[int, float, torch.Tensor]] = []
     for index, weight, data in contributions:
-        if weight <= 0:
-            continue
-        values = data if isinstance(data, torch.Tensor) else codecs.decode(data, wire_dtype, n)
-        if bool(torch.isfinite(values).all()):
-            kept.append((index, weight, values))
+        if weight > 0:
+            values = data if isinstance(data, torch.Tensor) else codecs.decode(data, wire_dtype, n)
+            decoded.append((index, weight, values))
+    kept, excluded = robust_filter(decoded, max_norm_ratio)
     if not kept:
-        return _NOT_AVERAGED
+        return Averaged(excluded=excluded)
     total = sum(weight for _, weight, _ in kept)
     acc = torch.zeros(n, dtype=torch.float32)
     for _, weight, values in kept:
         acc.add_(values, alpha=weight / total)
     image = codecs.encode(acc, wire_dtype)
-    return Averaged(tuple(index for index, _, _ in kept), image, codecs.decode(image, wire_dtype, n))
+    included = tuple(index for index, _, _ in kept)
+    return Averaged(included, image, codecs.decode(image, wire_dtype, n), excluded)
+
+
+_Weighted = list[tuple[int, float, torch.Tensor]]
+
+
+def robust_filter(
+    contributions: _Weighted, max_norm_ratio: float
+) -> tuple[_Weighted, tuple[tuple[int, Exclusion], ...]]:
+    """Norm screening to the median (the first step of CenteredClip, Gorbunov et al. 2022, "Secure
+    Distributed Training at Scale", hivemind's BTARD): a contribution whose L2 norm is not finite
+    (NaN/Inf, or overflowing fp32) is left out; so is one whose norm is over `max_norm_ratio` × the
+    lower median of the finite norms (with two members, the smaller: one honest member is enough to
+    screen the other). Returns the kept contributions and the left-out ones' indices and reasons."""
+    if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
+        kept = [c for c in contributions if bool(torch.isfinite(c[2]).all())]
+        return kept, tuple((c[0], Exclusion.NONFINITE) for c in contributions if c not in kept)
+    norms = [float(torch.linalg.vector_norm(values)) for _, _, values in contributions]
+    finite = sorted(x for x in norms if math.isfinite(x))
+    bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
+    kept: _Weighted = []
+    excluded: list[tuple[int, Exclusion]] = []
+    for contribution, norm in zip(contributions, norms, strict=True):
+        if not math.isfinite(norm):
+            excluded.append((contribution[0], Exclusion.NONFINITE))
+        elif norm > bound > 0:
+            excluded.append((contribution[0], Exclusion.NORM))
+        else:
+            kept.append(contribution)
+    return kept, tuple(excluded)
 
 
 class AveragingServicer:
@@ -252,14 +354,22 @@ class AveragingServicer:
         on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
         on_rejected: Callable[[str], None] | None = None,
         led_group: Callable[[str, int, float], Awaitable[GroupSpec | None]] | None = None,
+        trust: AveragingTrust = UNCHECKED,
+        max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
+        on_excluded: Callable[[str], None] | None = None,
     ) -> None:
         """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
-        valid group that names it); `on_rejected(reason)` counts requests refused as bad or late
-        ("invalid", "duplicate", "expired", "over"); `led_group(run id, round, wait_s)` is the group this
-        node led in that round, for a client member's `AwaitGroup` (None: it led none)."""
+        valid group that names it); `on_rejected(reason)` counts requests refused as bad, late or
+        unauthenticated (`AveragingReject`); `led_group(run id, round, wait_s)` is the group this node
+        led in that round, for a client member's `AwaitGroup` (None: it led none); `trust` signs and
+        checks who speaks (`trust.py`; the default trusts every header: in-process tests only);
+        `max_norm_ratio` is the robust aggregation's bound and `on_excluded(reason)` counts the
+        contributions it leaves out."""
         self.node_id = node_id
         self.led_group = led_group
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
+        self.trust, self.max_norm_ratio, self._on_excluded = trust, max_norm_ratio, on_excluded
+        self._logged_exclusions: set[str] = set()
         self._rounds: dict[str, _PartRound] = {}
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
 
@@ -337,6 +447,13 @@ class AveragingServicer:
         except ValueError as exc:
             self._reject("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        refusal = self.trust.proposal_refusal(request, spec, context)
+        if refusal is not None:
+            self._reject(refusal)
+            logger.info("refused a proposal of group %s: %s", spec.group_id, refusal)
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"the group is not signed by its leader ({refusal})"
+            )
         if not await self._ask(spec):
             return pb.ProposalReply(accepted=False, reason="declined")
         if not self.expect(spec):
@@ -355,7 +472,7 @@ class AveragingServicer:
         assert spec is not None
         if not any(m.node_id == request.node_id for m in spec.members):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"group {spec.group_id} does not include it")
-        return wire.spec_to_pb(spec)
+        return self.trust.sign_proposal(wire.spec_to_pb(spec))
 
     async def _ask(self, spec: GroupSpec) -> bool:
         if self._on_proposal is None:
@@ -371,15 +488,15 @@ class AveragingServicer:
         try:
             header = await _read_header(context)
             rnd = self._round_for(header.group_id)
-            sender = rnd.attach(header)
+            sender = rnd.attach(header, self.trust.speaker(header, context, rnd.spec))
             await context.send_initial_metadata(wire.ADMITTED)
             await rnd.wait_started(header)
-            averaged = await rnd.collect(context, sender, header.weight)
+            averaged = await rnd.collect(context, sender, header, self.trust)
             await _send_result(context, rnd, averaged)
         except _Refused as exc:
             if exc.reason != "unknown_group":  # not yet known: the sender asks again
                 self._reject(exc.reason)
-                logger.info("refused an averaging call: %s", exc)
+                logger.info("refused an averaging call (%s): %s", exc.reason, exc)
             await context.abort(exc.code, str(exc))
         finally:
             if rnd is not None and sender >= 0:
@@ -396,6 +513,20 @@ class AveragingServicer:
     def _reject(self, reason: str) -> None:
         if self._on_rejected is not None:
             self._on_rejected(reason)
+
+    def report_exclusions(self, spec: GroupSpec, averaged: Averaged) -> None:
+        """Counts the contributions the robust aggregation left out; logs each peer once."""
+        for index, reason in averaged.excluded:
+            if self._on_excluded is not None:
+                self._on_excluded(reason)
+            node_id = spec.members[index].node_id
+            if node_id not in self._logged_exclusions:
+                self._logged_exclusions.add(node_id)
+                logger.warning(
+                    "group %s: left member %d (%s)'s contribution out of part %d: %s "
+                    "(logged once per peer; counted in swarmnode_averaging_excluded_total)",
+                    *(spec.group_id, index, node_id[:12], spec.index_of(self.node_id), reason),
+                )
 
 
 async def _read_header(context: Any) -> pb.ContributionHeader:

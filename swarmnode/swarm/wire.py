@@ -8,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,9 @@ EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
 ADMITTED = (("swarmnode-admitted", "1"),)
 """Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
 MAX_WEIGHT = 1e15
+MAX_TIMEOUT_S = 600.0
+"""Longest all-reduce budget a group may carry (and --matchmaking/--allreduce-timeout may set): a
+proposal cannot make a member hold a group's calls for longer."""
 
 
 def check_dtype(wire_dtype: str) -> str:
@@ -97,8 +99,10 @@ class GroupSpec:
             raise ValueError(f"group {self.group_id!r} names a member twice")
         if not 0 < len(self.group_id) <= 256 or len(self.run_id) > 256 or self.round < 0:
             raise ValueError(f"bad group id, run id or round: {self.group_id!r} {self.run_id!r} {self.round}")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"all-reduce timeout must be a positive number of seconds, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ValueError(
+                f"all-reduce timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout_s}"
+            )
 
     def index_of(self, node_id: str) -> int:
         """The member's index; ValueError if the node is not a member."""
@@ -188,12 +192,23 @@ def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
 # The messages of an `Exchange` call (see averaging.proto)
 
 
-def chunk_messages(image: memoryview) -> Iterator[tuple[bytes, int]]:
+def chunks(image: memoryview) -> list[memoryview]:
+    """The image cut into the chunks `chunk_messages` sends, in order."""
+    return [image[offset : offset + CHUNK_BYTES] for offset in range(0, len(image), CHUNK_BYTES)]
+
+
+def chunk_messages(image: memoryview, signatures: Sequence[bytes] = ()) -> Iterator[tuple[bytes, int]]:
     """The image as `(offset, data)` chunk messages (`Contribution` and `AveragedPart` share the
-    layout) in protobuf wire format, each with its payload size; built one at a time, one copy each."""
-    for offset in range(0, len(image), CHUNK_BYTES):
-        chunk = image[offset : offset + CHUNK_BYTES]
-        yield encode_data_chunk(offset, chunk), len(chunk)
+    layout) in protobuf wire format, each with its payload size; built one at a time, one copy each.
+    `signatures`: one per chunk (a `Contribution`'s field 4), or none."""
+    for index, chunk in enumerate(chunks(image)):
+        message = encode_data_chunk(index * CHUNK_BYTES, chunk)
+        if signatures:
+            message += _SIGNATURE_FIELD + bytes([len(signatures[index])]) + signatures[index]
+        yield message, len(chunk)
+
+
+_SIGNATURE_FIELD = b"\x22"  # field 4, length-delimited; an Ed25519 signature (64 bytes) fits one length byte
 
 
 def take_chunk(msg: pb.Contribution | pb.AveragedPart, image: bytearray, got: int) -> int:

@@ -8,6 +8,10 @@ Tests set `SWARMNODE_FAULTS` on a `swarmnode run` child, e.g.::
     sleep@inner_step=0.05       every inner step takes 50 ms longer (a slow volunteer)
     stop@allreduce_send#3       SIGSTOP itself at the 3rd hit (a laptop lid closing)
     skew@clock=180              the process's wall clock runs 180 s ahead (negative: behind)
+    scale@delta#1=1000          the pseudo-gradient it sends in round 1 (outer step 0) is ×1000 (a poisoner)
+    nan@delta                   the pseudo-gradients it sends hold NaNs
+    lie@sender                  its all-reduce headers claim another member's index and node id
+    lie@part                    its all-reduce headers claim another member's part
 
 Grammar: comma-separated `ACTION@POINT[#COUNT][=ARG]`; without `#COUNT` the fault fires at every hit.
 Points count their own hits from 1 unless the caller passes the index (e.g. the inner step). The fault
@@ -31,7 +35,7 @@ from swarmnode.util import clock
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew")
+ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew", "scale", "nan", "lie")
 THREAD_POINTS = (
     "inner_step",  # after each inner step (training thread)
     "snapshot_write",  # before each snapshot write (writer thread)
@@ -48,8 +52,15 @@ LOOP_POINTS = (
     "allreduce_reduce",  # before a reducer publishes its part's average
 )
 """Points hit with `await ahit()`, on the event loop."""
-POINTS = (*THREAD_POINTS, *LOOP_POINTS, "serve_stream", "clock")
-"""Every fault point; `truncate@serve_stream` and `skew@clock` are looked up (`find`), not hit."""
+LOOKED_UP_POINTS = (
+    "serve_stream",  # truncate: streams end early
+    "clock",  # skew: the wall clock is off
+    "delta",  # scale, nan: the pseudo-gradient handed to the all-reduce (#COUNT: the round, from 1)
+    "sender",  # lie: all-reduce headers name another member as their sender
+    "part",  # lie: all-reduce headers name another member's part
+)
+POINTS = (*THREAD_POINTS, *LOOP_POINTS, *LOOKED_UP_POINTS)
+"""Every fault point; the `LOOKED_UP_POINTS` are looked up (`find`, `due`), not hit."""
 
 
 @dataclass(frozen=True)
@@ -151,3 +162,10 @@ def armed(point: str) -> bool:
 
 def find(action: str, point: str) -> Fault | None:
     return next((f for f in _faults if f.action == action and f.point == point), None)
+
+
+def due(action: str, point: str, index: int) -> Fault | None:
+    """The fault `action@point` that applies at `index` (one without `#COUNT` applies at every one)."""
+    return next(
+        (f for f in _faults if f.action == action and f.point == point and f.at in (None, index)), None
+    )

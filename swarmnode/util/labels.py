@@ -92,3 +92,30 @@ class RoundFailure(StrEnum):
     LOW_COVERAGE = "low_coverage"
     PARTIAL = "partial"
     ERROR = "error"
+
+
+class AveragingReject(StrEnum):
+    """Why an averaging call (a proposal or a contribution) was refused."""
+
+    INVALID = "invalid"
+    """A header or chunk that does not fit the group."""
+    DUPLICATE = "duplicate"
+    EXPIRED = "expired"
+    OVER = "over"
+    UNAUTHENTICATED = "unauthenticated"
+    """With mutual TLS: the caller's certificate names no node."""
+    BAD_SIGNATURE = "bad_signature"
+    """A header, chunk or proposal whose signature does not verify."""
+    IMPERSONATION = "impersonation"
+    """The caller is not the member it claims to be (or the proposal's leader is no member)."""
+    CHUNK_ORDER = "chunk_order"
+    """A chunk that repeats, skips or overruns the part's bytes."""
+
+
+class Exclusion(StrEnum):
+    """Why a reducer left a member's contribution out of its part's average (robust aggregation)."""
+
+    NORM = "norm"
+    """Its norm is over --max-norm-ratio times the part's median contribution norm."""
+    NONFINITE = "nonfinite"
+    """It holds NaN or Inf."""

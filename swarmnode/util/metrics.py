@@ -11,7 +11,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarmnode.util.labels import (
+    AveragingReject,
     DHTReject,
+    Exclusion,
     FetchFailure,
     ProbeResult,
     Reachability,
@@ -37,6 +39,8 @@ DIAL_BACK_RESULTS = (
     ProbeResult.THROTTLED,
     ProbeResult.INVALID,
 )
+AVERAGING_REJECT_REASONS = tuple(AveragingReject)
+EXCLUSION_REASONS = tuple(Exclusion)
 
 
 class Metrics:
@@ -144,7 +148,8 @@ class Metrics:
             self.recoveries.labels(source)
         for rejected in DHT_REJECT_REASONS:
             self.dht_rejected.labels(rejected)
-        self.rpc_rejected.labels("unauthenticated")
+        for reason in AVERAGING_REJECT_REASONS:  # "unauthenticated" is also the token guard's
+            self.rpc_rejected.labels(reason)
 
     def _averaging_metrics(self, r: CollectorRegistry) -> None:
         self.allreduce_seconds = Histogram(
@@ -170,6 +175,14 @@ class Metrics:
         )
         for reason in ROUND_FAILURE_REASONS:
             self.round_failures.labels(reason)
+        self.averaging_excluded = Counter(
+            "swarmnode_averaging_excluded",
+            "Contributions a reducer left out of its part's average (robust aggregation)",
+            ["reason"],
+            registry=r,
+        )
+        for exclusion in EXCLUSION_REASONS:
+            self.averaging_excluded.labels(exclusion)
 
     def _reachability_metrics(self, r: CollectorRegistry) -> None:
         self.reachable = Gauge(

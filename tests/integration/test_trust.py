@@ -1,10 +1,13 @@
-"""Trust: a swarm token on every RPC, mutual TLS, and a secret that never leaks."""
+"""Trust: a swarm token on every RPC, mutual TLS in the handshake (node certificates name their node
+ids), and a secret that never leaks."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
 import ipaddress
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -16,6 +19,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarmnode.net import rpc, snapshot_client
+from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.proto.v1 import averaging_pb2, averaging_pb2_grpc
 from swarmnode.proto.v1 import snapshot_pb2 as pb
@@ -90,36 +94,48 @@ def make_leaf(
     return _pem(cert, key)
 
 
+NODES = 2
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
+    """A swarm CA; node i's identity key (`id{i}`) and a certificate naming its node id (`node{i}`); an
+    operator's client certificate (`client`); and a certificate of another CA (`foreign`)."""
     root = tmp_path_factory.mktemp("pki")
     ca = make_ca("swarm test CA")
     files = {"ca": root / "ca.pem"}
     files["ca"].write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
-    for name in ("node", "client"):
-        cert, key = make_leaf(ca, name)
+    names = {"client": "operator", "foreign": "operator"}
+    for i in range(NODES):
+        identity = Identity.load_or_create(root / f"id{i}.key")
+        files[f"id{i}"] = root / f"id{i}.key"
+        names[f"node{i}"] = identity.node_id_hex
+    for name, common_name in names.items():
+        cert, key = make_leaf(make_ca("another CA") if name == "foreign" else ca, common_name)
         (root / f"{name}.pem").write_bytes(cert)
         (root / f"{name}.key").write_bytes(key)
         files[name], files[f"{name}_key"] = root / f"{name}.pem", root / f"{name}.key"
     return files
 
 
-def secure_args(pki: dict[str, Path]) -> list[str]:
+def secure_args(pki: dict[str, Path], i: int = 0) -> list[str]:
     return [
         "--swarm-token",
         TOKEN,
+        "--identity",
+        str(pki[f"id{i}"]),
         "--tls-cert",
-        str(pki["node"]),
+        str(pki[f"node{i}"]),
         "--tls-key",
-        str(pki["node_key"]),
+        str(pki[f"node{i}_key"]),
         "--tls-ca",
         str(pki["ca"]),
     ]
 
 
-def client(pki: dict[str, Path], token: str | None = TOKEN, cert: bool = True) -> Security:
+def client(pki: dict[str, Path], token: str | None = TOKEN, cert: str | None = "client") -> Security:
     return Security.from_files(
-        token, pki["client"] if cert else None, pki["client_key"] if cert else None, pki["ca"]
+        token, pki[cert] if cert else None, pki[f"{cert}_key"] if cert else None, pki["ca"]
     )
 
 
@@ -157,14 +173,17 @@ def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, 
         allowed = asyncio.run(call_everything(address))
         ok = ("GetStatus", "ListSnapshots", "FetchSnapshot", "Health")  # the stream's credentials too
         assert all(allowed[name] == grpc.StatusCode.OK for name in ok), allowed
-        for label, security in (
-            ("no token", client(pki, token=None)),
-            ("wrong token", client(pki, token="x")),
-            ("no client certificate", client(pki, cert=False)),
+        assert allowed["Propose"] == grpc.StatusCode.INVALID_ARGUMENT  # reached its handler: an empty group
+        for label, security, refused in (
+            ("no token", client(pki, token=None), grpc.StatusCode.UNAUTHENTICATED),
+            ("wrong token", client(pki, token="x"), grpc.StatusCode.UNAUTHENTICATED),
+            # Refused in the TLS handshake: no handler (not even health) runs; gRPC says UNAVAILABLE.
+            ("no client certificate", client(pki, cert=None), grpc.StatusCode.UNAVAILABLE),
+            ("a certificate of another CA", client(pki, cert="foreign"), grpc.StatusCode.UNAVAILABLE),
         ):
             rpc.configure_client(security)
             codes = asyncio.run(call_everything(address))
-            assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (label, codes)
+            assert set(codes.values()) == {refused}, (label, codes)
         rpc.configure_client(client(pki, token=None))
         with pytest.raises(rpc.PeerUnavailable) as refused:
             asyncio.run(snapshot_client.fetch_snapshot(address, tmp_path / "x.snap.zst"))
@@ -175,8 +194,25 @@ def test_token_and_client_certificate_are_required_on_every_rpc(tmp_path: Path, 
     text = scrape(node)
     assert 'swarmnode_rpc_rejected_total{reason="unauthenticated"}' in text
     assert TOKEN not in text
+    # The CLI names a refused handshake in one line (exit 1).
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", "status", address, "--tls-ca", str(pki["ca"])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "refused the TLS handshake" in out.stderr and "--tls-cert" in out.stderr, out.stderr
     stop_all([node])
     assert TOKEN not in node.log()
+
+
+def test_a_node_certificate_must_name_the_nodes_own_id(tmp_path: Path, reaper, pki) -> None:
+    args = [*ARGS, *secure_args(pki, 0)]
+    args[args.index("--identity") + 1] = str(pki["id1"])  # node 0's certificate, node 1's key
+    node = reaper.node(tmp_path / "n0", args).start()
+    assert node.wait(60) == 2
+    assert "--tls-cert" in node.log() and "common name" in node.log()
 
 
 def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
@@ -184,7 +220,6 @@ def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
 ) -> None:
     args = [
         *ARGS,
-        *secure_args(pki),
         "--host",
         "127.0.0.1",
         "--advertise-host",
@@ -194,7 +229,7 @@ def test_a_tls_swarm_with_a_token_trains_together_and_keeps_a_stranger_out(
         "--matchmaking-timeout",
         "5",
     ]
-    nodes = start_swarm(reaper, tmp_path, 2, args)
+    nodes = start_swarm(reaper, tmp_path, NODES, args, extra=[secure_args(pki, i) for i in range(NODES)])
     wait_for(
         lambda: all(len(node_status_secure(n, pki)["last_group"]) == 2 for n in nodes),
         90,

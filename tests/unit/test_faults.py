@@ -39,7 +39,7 @@ def test_a_misspelled_point_exits_2_with_one_line(
 
 
 def test_every_point_the_code_names_is_declared() -> None:
-    """The points are the literals of `hit(`, `ahit(`, `armed(` and `find(` calls across the package
+    """The points are the literals of `hit(`, `ahit(`, `armed(`, `find(` and `due(` calls across the package
     (the kind-prefixed snapshot points and the clock are spelled out)."""
     named: set[str] = set()
     for path in PACKAGE.rglob("*.py"):
@@ -47,6 +47,7 @@ def test_every_point_the_code_names_is_declared() -> None:
         named |= set(re.findall(r"faults\.a?hit\(\s*\"([a-z_]+)\"", text))
         named |= set(re.findall(r"faults\.armed\(\s*\"([a-z_]+)\"", text))
         named |= set(re.findall(r"faults\.find\(\s*\"[a-z]+\",\s*\"([a-z_]+)\"", text))
+        named |= set(re.findall(r"faults\.due\(\s*\"[a-z]+\",\s*\"([a-z_]+)\"", text))
     named |= {"hot_snapshot_halfway", "cold_snapshot_halfway"}  # hit(f"{job.kind}_snapshot_halfway")
     named.add("clock")  # skew@clock: looked up by faults.configure itself
     assert "inner_step" in named and "allreduce_send" in named  # the scan sees the calls

@@ -114,6 +114,8 @@ def test_labels_are_bounded_and_pre_initialised(families) -> None:
         metrics_module.PROBE_RESULTS,
         metrics_module.DIAL_BACK_RESULTS,
         ("unauthenticated",),
+        metrics_module.AVERAGING_REJECT_REASONS,
+        metrics_module.EXCLUSION_REASONS,
     ):
         bounded_values |= set(reasons)
     for name, (_, _, samples) in families.items():

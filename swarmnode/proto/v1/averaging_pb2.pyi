@@ -34,20 +34,24 @@ class GroupMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[_Union[_snapshot_pb2.DataCursor, _Mapping]] = ..., global_digest: _Optional[str] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupProposal(_message.Message):
-    __slots__ = ("run_id", "round", "group_id", "members", "wire_dtype", "timeout_s")
+    __slots__ = ("run_id", "round", "group_id", "members", "wire_dtype", "timeout_s", "leader_public_key", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     group_id: str
     members: _containers.RepeatedCompositeFieldContainer[GroupMember]
     wire_dtype: str
     timeout_s: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., wire_dtype: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    leader_public_key: bytes
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., wire_dtype: _Optional[str] = ..., timeout_s: _Optional[float] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ProposalReply(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -58,7 +62,7 @@ class ProposalReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("group_id", "run_id", "round", "sender", "node_id", "part", "weight", "wire_dtype", "total_elements", "part_elements")
+    __slots__ = ("group_id", "run_id", "round", "sender", "node_id", "part", "weight", "wire_dtype", "total_elements", "part_elements", "public_key", "signature")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +73,8 @@ class ContributionHeader(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     PART_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     run_id: str
     round: int
@@ -79,17 +85,21 @@ class ContributionHeader(_message.Message):
     wire_dtype: str
     total_elements: int
     part_elements: int
-    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., node_id: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., total_elements: _Optional[int] = ..., part_elements: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., node_id: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., total_elements: _Optional[int] = ..., part_elements: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Contribution(_message.Message):
-    __slots__ = ("header", "offset", "data")
+    __slots__ = ("header", "offset", "data", "signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: ContributionHeader
     offset: int
     data: bytes
-    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class AveragedHeader(_message.Message):
     __slots__ = ("contributors", "part_elements", "wire_dtype", "included")

@@ -73,7 +73,9 @@ class AveragingServiceServicer:
         contribution was cut short still gets the answer if its call is open.
         Errors: FAILED_PRECONDITION (group not known here yet: the sender may retry), ABORTED (the
         group's all-reduce is over, or never started here), INVALID_ARGUMENT (a header or chunk that
-        does not fit the group), ALREADY_EXISTS (a second call from the same sender).
+        does not fit the group), ALREADY_EXISTS (a second call from the same sender), PERMISSION_DENIED
+        (the caller is not the member it claims to be: its certificate or signature names another
+        node, or a chunk's signature does not verify).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
