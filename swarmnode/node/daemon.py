@@ -73,7 +73,12 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
     configure_determinism(checked.device, cfg.threads)
     shard = cfg.shard if cfg.shard is not None else shard_for_node(identity.node_id, cfg.num_shards)
     loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
-    diloco = DilocoConfig(inner_lr=cfg.inner_lr, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+    diloco = DilocoConfig(
+        inner_lr=cfg.inner_lr,
+        schedule=cfg.inner_schedule,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+    )
     corpus_digest = checked.corpus.digest
     digest = run_digest(
         cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
