@@ -1,113 +1,367 @@
-"""DiLoCo vs synchronous data parallel on the default corpus with the `tiny` preset, simulated without
-a network (part of `swarmnode bench train`): each side trains in one worker process, the two at once.
+"""`swarmnode bench quality`: DiLoCo against synchronous data parallel and a single worker, simulated
+without a network, at equal tokens per worker; the held-out loss of each side after every outer step.
 
-DiLoCo: W `DilocoTrainer`s, worker k on shard k of W, H inner AdamW steps each, then the plain mean of
-their pseudo-gradients as every worker's outer step (Nesterov, the paper's defaults). Synchronous DP: one
-model whose every AdamW step takes the W workers' batches together (the mean loss over the global batch:
-the average of the workers' gradients, as an all-reduce every step would give), H·R steps, so both see the
-same global batch and the same tokens. Bytes communicated per worker: DiLoCo 2 × params × 4 bytes (fp32)
-per outer step, DP the same per step; so DP sends H times as many.
+- DiLoCo: W `DilocoTrainer`s, worker k on shard k of W, H inner AdamW steps each, then the plain mean
+  of their pseudo-gradients as every worker's outer step (Nesterov) — what a swarm of W nodes does
+  when every round's group is whole (`bench/swarm_quality.py` checks that on real processes).
+- Synchronous DP: one model whose every AdamW step takes the W workers' batches together (W× batch:
+  the mean gradient an all-reduce every step would give), H·R steps.
+- One worker: one model on shard 0, H·R steps of the same batch.
+
+Every side runs the same schedule shape (linear warm-up over `WARMUP_FRACTION` of the steps, then a
+cosine to 10% of the peak) at its own peak learning rate, each side's best from the sweep (never a
+weakened baseline). Each side trains in a worker process with one torch thread and deterministic
+kernels (the node's settings with `--threads 1`), the sides at once. Bytes per worker: DiLoCo sends
+2 × params × 4 bytes (fp32) per outer step, DP the same per step; so DP sends H times as many.
 """
 
 from __future__ import annotations
 
+import queue
+import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from swarmnode.bench.runner import BenchResult
 from swarmnode.core.data import Batch, Corpus, ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
-from swarmnode.core.model import build_model, count_parameters
+from swarmnode.core.model import build_model, configure_determinism, count_parameters
 from swarmnode.core.presets import preset
+from swarmnode.core.schedule import InnerSchedule, LrSchedule
+from swarmnode.util.errors import ConfigError
 from swarmnode.util.procs import Worker
 
-PRESET = "tiny"
 BATCH_SIZE = 8
 SEQ_LEN = 128
 HELDOUT_BATCHES = 16
+WARMUP_FRACTION = 0.05
 FP32_BYTES = 4
-TIMEOUT_S = 3600.0
+TIMEOUT_S = 4 * 3600.0
+SIDE_PROCESSES = 3
+"""Worker processes at once (the three sides of a comparison; a sweep's jobs queue for them)."""
+
+# The defaults, chosen by `swarmnode bench quality --sweep` (README "Performance"): each side's best
+# peak learning rate, DiLoCo's best outer learning rate and H with DP bytes / DiLoCo bytes ≥ 100.
+DEFAULT_WORKERS = 4
+DEFAULT_INNER_STEPS = 100
+DEFAULT_ROUNDS = 40
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_LR = {"diloco": 2e-3, "dp": 4e-3, "single": 2e-3}
+
+
+class Side(StrEnum):
+    DILOCO = "diloco"
+    DP = "dp"
+    SINGLE = "single"
+
+
+LABELS = {Side.DILOCO: "DiLoCo ({w} workers)", Side.DP: "sync DP ({w}× batch)", Side.SINGLE: "one worker"}
+
+
+@dataclass(frozen=True)
+class SideJob:
+    """One side's training run: what a worker process is asked to do (JSON both ways)."""
+
+    side: Side
+    model: str
+    workers: int
+    inner_steps: int
+    rounds: int
+    lr: float
+    """Peak inner learning rate (DP and one worker: their only optimizer's)."""
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    heldout_batches: int = HELDOUT_BATCHES
+
+    @property
+    def total_steps(self) -> int:
+        return self.inner_steps * self.rounds
+
+    @property
+    def schedule(self) -> InnerSchedule:
+        warmup = max(1, round(WARMUP_FRACTION * self.total_steps))
+        return InnerSchedule(LrSchedule.COSINE, warmup, max(self.total_steps, warmup + 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "side": str(self.side)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SideJob:
+        return cls(**{**raw, "side": Side(raw["side"])})
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A side's held-out loss after every outer step (index 0: the initial weights)."""
+
+    job: SideJob
+    tokens: tuple[int, ...]
+    """Tokens trained per worker when each loss was measured."""
+    losses: tuple[float, ...]
+    seconds: float
+    params: int
+
+    @property
+    def final(self) -> float:
+        return self.losses[-1]
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.job.side].format(w=self.job.workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job.to_dict(),
+            "tokens": list(self.tokens),
+            "losses": list(self.losses),
+            "seconds": self.seconds,
+            "params": self.params,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Curve:
+        return cls(
+            SideJob.from_dict(raw["job"]),
+            tuple(raw["tokens"]),
+            tuple(raw["losses"]),
+            raw["seconds"],
+            raw["params"],
+        )
+
+
+# ----- one side, in a worker process -----
+
+
+def train_side(job: SideJob) -> Curve:
+    """Trains one side with one deterministic torch thread; its held-out curve."""
+    configure_determinism(torch.device("cpu"), 1)
+    corpus = default_corpus()
+    heldout = loader(corpus, 0, job.workers).heldout_batches(job.heldout_batches)
+    started = time.perf_counter()
+    steps = {Side.DILOCO: _diloco_rounds, Side.DP: _data_parallel_rounds, Side.SINGLE: _single_rounds}
+    trainer, losses = None, []
+    for trainer, use_global in steps[job.side](corpus, job):
+        losses.append(trainer.evaluate(heldout, use_global=use_global))
+    assert trainer is not None
+    tokens = tuple(r * job.inner_steps * BATCH_SIZE * SEQ_LEN for r in range(job.rounds + 1))
+    return Curve(job, tokens, tuple(losses), time.perf_counter() - started, count_parameters(trainer.model))
+
+
+def loader(corpus: Corpus, shard: int, workers: int) -> ShardLoader:
+    """Worker k's loader: shard k of W, seed 0 (a node run with `--shard k --num-shards W`)."""
+    return ShardLoader(corpus, shard, workers, BATCH_SIZE, SEQ_LEN, seed=0)
+
+
+def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
+    """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
+    model = build_model(preset(job.model, corpus.vocab_size), 0, torch.device("cpu"))
+    cfg = DilocoConfig(
+        inner_lr=job.lr, schedule=job.schedule, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum
+    )
+    return DilocoTrainer(model, cfg, torch.device("cpu"))
+
+
+def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
+    """Worker 0 before the first and after every outer step (every worker then holds the same θ_g)."""
+    trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
+    loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
+    yield trainers[0], True
+    for _ in range(job.rounds):
+        for trainer, shard_loader in zip(trainers, loaders, strict=True):
+            for _ in range(job.inner_steps):
+                trainer.inner_step(shard_loader.next_batch())
+        averaged = mean_delta([t.pseudo_gradient() for t in trainers])
+        for trainer in trainers:
+            trainer.outer_step(averaged)
+        yield trainers[0], True
+
+
+def mean_delta(deltas: Sequence[torch.Tensor]) -> AveragedDelta:
+    """Σᵢ Δᵢ / W in fp32 in member order: the reducer's token-weighted average at equal weights."""
+    acc = torch.zeros_like(deltas[0])
+    for delta in deltas:
+        acc.add_(delta, alpha=1.0 / len(deltas))
+    return AveragedDelta(acc, ((0, acc.numel()),), len(deltas))
+
+
+def _data_parallel_rounds(corpus: Corpus, job: SideJob) -> Any:
+    """One model on the workers' batches together; measured every H steps (its local θ is the model)."""
+    trainer = trainer_for(corpus, job)
+    loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
+    yield trainer, False
+    for _ in range(job.rounds):
+        for _ in range(job.inner_steps):
+            batches = [shard_loader.next_batch() for shard_loader in loaders]
+            inputs = torch.cat([b.inputs for b in batches])
+            targets = torch.cat([b.targets for b in batches])
+            trainer.inner_step(Batch(inputs, targets, batches[0].epoch, batches[0].position))
+        yield trainer, False
+
+
+def _single_rounds(corpus: Corpus, job: SideJob) -> Any:
+    trainer = trainer_for(corpus, job)
+    shard_loader = loader(corpus, 0, job.workers)
+    yield trainer, False
+    for _ in range(job.rounds):
+        for _ in range(job.inner_steps):
+            trainer.inner_step(shard_loader.next_batch())
+        yield trainer, False
+
+
+# ----- running jobs in worker processes -----
+
+
+def run_jobs(jobs: Sequence[SideJob], log_dir: Path, processes: int = SIDE_PROCESSES) -> list[Curve]:
+    """Each job in a `quality` worker process, `processes` at once; the curves in the jobs' order."""
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(jobs)):
+        todo.put(index)
+    results: dict[int, Curve] = {}
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with Worker(log_dir, "quality") as worker:
+                worker.read(TIMEOUT_S)  # started
+                while not errors:
+                    try:
+                        index = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    results[index] = Curve.from_dict(worker.ask(jobs[index].to_dict(), TIMEOUT_S))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, name=f"quality-{k}") for k in range(min(processes, len(jobs)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[index] for index in range(len(jobs))]
+
+
+# ----- the comparison -----
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A comparison's size and learning rates (the bench's flags, else the defaults)."""
+
+    model: str = "tiny"
+    workers: int = DEFAULT_WORKERS
+    inner_steps: int = DEFAULT_INNER_STEPS
+    rounds: int = DEFAULT_ROUNDS
+    outer_lr: float = DEFAULT_OUTER_LR
+    lr_diloco: float = DEFAULT_LR["diloco"]
+    lr_dp: float = DEFAULT_LR["dp"]
+    lr_single: float = DEFAULT_LR["single"]
+
+    def job(self, side: Side, **changes: Any) -> SideJob:
+        lr = {Side.DILOCO: self.lr_diloco, Side.DP: self.lr_dp, Side.SINGLE: self.lr_single}[side]
+        job = SideJob(side, self.model, self.workers, self.inner_steps, self.rounds, lr, self.outer_lr)
+        return replace(job, **changes)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    diloco: Curve
+    dp: Curve
+    single: Curve
+
+    @property
+    def loss_ratio(self) -> float:
+        return self.diloco.final / self.dp.final
+
+    @property
+    def gain_kept(self) -> float:
+        """DiLoCo's share of DP's gain over one worker (1: all of it)."""
+        return (self.single.final - self.diloco.final) / (self.single.final - self.dp.final)
+
+    @property
+    def bytes_ratio(self) -> float:
+        return self.dp.job.total_steps / self.diloco.job.rounds
+
+    def curves(self) -> list[Curve]:
+        return [self.diloco, self.dp, self.single]
+
+
+def compare(setup: Setup, log_dir: Path) -> Comparison:
+    jobs = [setup.job(side) for side in (Side.DILOCO, Side.DP, Side.SINGLE)]
+    return Comparison(*run_jobs(jobs, log_dir))
+
+
+def report(result: BenchResult, comparison: Comparison, label: str = "quality") -> None:
+    """The comparison's figures and ratios, and its curves as the result's series."""
+    d = comparison.diloco
+    exchange = 2 * d.params * FP32_BYTES * d.job.workers
+    tokens = d.tokens[-1]
+    setup = f"{d.job.workers} workers, H={d.job.inner_steps}, {d.job.rounds} rounds, {tokens} tokens/worker"
+    for curve in comparison.curves():
+        note = f"peak lr {curve.job.lr:g}" + (f", outer lr {curve.job.outer_lr:g}" if curve is d else "")
+        note += f"; {curve.seconds:.0f} s"
+        result.add(f"{label}: {curve.label} held-out loss", curve.final, "nats", note)
+    result.add(f"{label}: DiLoCo bytes communicated", exchange * d.job.rounds / 1e6, "MB", setup)
+    result.add(f"{label}: sync DP bytes communicated", exchange * comparison.dp.job.total_steps / 1e6, "MB")
+    result.ratio("DiLoCo loss / sync DP loss", comparison.loss_ratio, "target ≤ 1.05 (stretch 1.02)")
+    result.ratio("DiLoCo share of DP's gain over one worker", comparison.gain_kept, "target ≥ 0.75")
+    result.ratio("sync DP bytes / DiLoCo bytes", comparison.bytes_ratio, "target ≥ 100")
+    result.series[label] = [curve.to_dict() for curve in comparison.curves()]
+
+
+def bench_quality(
+    preset_name: str,
+    workers: int | None = None,
+    inner_steps: int | None = None,
+    rounds: int | None = None,
+    plot: str | None = None,
+    sweep: bool = False,
+) -> BenchResult:
+    """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
+    `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget."""
+    if plot is not None and not plot.endswith(".png"):
+        raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
+    setup = Setup(
+        preset_name,
+        workers or DEFAULT_WORKERS,
+        inner_steps or DEFAULT_INNER_STEPS,
+        rounds or DEFAULT_ROUNDS,
+    )
+    result = BenchResult("quality", preset_name)
+    with tempfile.TemporaryDirectory() as tmp:
+        if sweep:
+            from swarmnode.bench.quality_sweep import run_sweep
+
+            setup, comparison = run_sweep(result, setup, Path(tmp))
+        else:
+            comparison = compare(setup, Path(tmp))
+    report(result, comparison)
+    if plot is not None:
+        from swarmnode.bench.quality_plot import plot_comparison
+
+        plot_comparison(comparison, Path(plot))
+        result.add("plot", len(comparison.curves()), "series", plot)
+    return result
 
 
 @dataclass(frozen=True)
 class QualityRun:
+    """The short comparison `swarmnode bench train` adds (its --nodes, --inner-steps, --rounds)."""
+
     workers: int
     inner_steps: int
     outer_steps: int
 
 
 def add_quality(result: BenchResult, run: QualityRun, log_dir: Path) -> None:
-    """Adds the held-out losses and bytes of DiLoCo and of synchronous DP, and their ratios. The two
-    train at once, each in a worker process with one torch thread (tiny tensors: one thread is as
-    fast as two, and immune to the stalls other load causes in a two-thread fork/join)."""
-    request = {"workers": run.workers, "inner_steps": run.inner_steps, "outer_steps": run.outer_steps}
-    with Worker(log_dir, "quality", "diloco") as diloco, Worker(log_dir, "quality", "dp") as dp:
-        for side in (diloco, dp):
-            side.read(TIMEOUT_S)  # started
-            side.send(request)
-        d, p = diloco.read(TIMEOUT_S), dp.read(TIMEOUT_S)
-    per_exchange = 2 * d["params"] * FP32_BYTES * run.workers
-    diloco_bytes = per_exchange * run.outer_steps
-    dp_bytes = per_exchange * run.outer_steps * run.inner_steps
-    tokens = run.workers * run.inner_steps * run.outer_steps * BATCH_SIZE * SEQ_LEN
-    setup = f"{run.workers} workers, H={run.inner_steps}, {run.outer_steps} outer steps, {tokens} tokens"
-    label = f"quality ({PRESET}):"
-    result.add(f"{label} DiLoCo held-out loss", d["loss"], "nats", f"{setup}; {d['seconds']:.0f} s")
-    result.add(f"{label} sync DP held-out loss", p["loss"], "nats", f"same tokens; {p['seconds']:.0f} s")
-    result.add(f"{label} DiLoCo bytes communicated", diloco_bytes / 1e6, "MB", "fp32, all workers")
-    result.add(f"{label} sync DP bytes communicated", dp_bytes / 1e6, "MB", "fp32, all workers")
-    result.ratio("DiLoCo loss / sync DP loss", d["loss"] / p["loss"], "target ≤ 1.02")
-    result.ratio("sync DP bytes / DiLoCo bytes", dp_bytes / diloco_bytes, "target ≥ 100")
-
-
-def train_side(side: str, run: QualityRun) -> dict[str, float]:
-    """Trains one side ("diloco" or "dp") with one torch thread; its held-out loss, params, seconds."""
-    torch.set_num_threads(1)
-    corpus = default_corpus()
-    heldout = _loader(corpus, 0, run.workers).heldout_batches(HELDOUT_BATCHES)
-    started = time.perf_counter()
-    trainer = _diloco(corpus, run) if side == "diloco" else _data_parallel(corpus, run)
-    loss = trainer.evaluate(heldout, use_global=side == "diloco")
-    params = count_parameters(trainer.model)
-    return {"loss": loss, "params": params, "seconds": time.perf_counter() - started}
-
-
-def _loader(corpus: Corpus, shard: int, workers: int) -> ShardLoader:
-    return ShardLoader(corpus, shard, workers, BATCH_SIZE, SEQ_LEN, seed=0)
-
-
-def _trainer(corpus: Corpus) -> DilocoTrainer:
-    """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
-    model = build_model(preset(PRESET, corpus.vocab_size), 0, torch.device("cpu"))
-    return DilocoTrainer(model, DilocoConfig(), torch.device("cpu"))
-
-
-def _diloco(corpus: Corpus, run: QualityRun) -> DilocoTrainer:
-    """Worker 0 after the outer steps (every worker then holds the same θ_g)."""
-    trainers = [_trainer(corpus) for _ in range(run.workers)]
-    loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
-    for _ in range(run.outer_steps):
-        for trainer, loader in zip(trainers, loaders, strict=True):
-            for _ in range(run.inner_steps):
-                trainer.inner_step(loader.next_batch())
-        deltas = torch.stack([t.pseudo_gradient().clone() for t in trainers])
-        mean = deltas.mean(dim=0)
-        averaged = AveragedDelta(mean, ((0, mean.numel()),), run.workers)
-        for trainer in trainers:
-            trainer.outer_step(averaged)
-    return trainers[0]
-
-
-def _data_parallel(corpus: Corpus, run: QualityRun) -> DilocoTrainer:
-    """One model trained on the workers' batches together, H·R steps (its local θ is the model)."""
-    trainer = _trainer(corpus)
-    loaders = [_loader(corpus, k, run.workers) for k in range(run.workers)]
-    for _ in range(run.outer_steps * run.inner_steps):
-        batches = [loader.next_batch() for loader in loaders]
-        inputs = torch.cat([b.inputs for b in batches])
-        targets = torch.cat([b.targets for b in batches])
-        trainer.inner_step(Batch(inputs, targets, batches[0].epoch, batches[0].position))
-    return trainer
+    setup = Setup("tiny", run.workers, run.inner_steps, run.outer_steps)
+    report(result, compare(setup, log_dir), label="quality (tiny)")

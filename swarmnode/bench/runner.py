@@ -12,6 +12,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | `recovery` | kill -9 → trained again, by stage | each stage alone on the same file |
 | `allreduce` | butterfly all-reduce of a pseudo-gradient | 2(N−1)/N · bytes / raw TCP throughput |
 | `train` | tokens/s of a real node; DiLoCo quality | a bare training loop; synchronous DP |
+| `quality` | DiLoCo's held-out loss over a run; a sweep of its settings | synchronous DP; one worker |
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.procs import largest_child_rss_mb
 
-KNOBS = ("rounds", "nodes", "steps", "inner_steps", "quality", "trust")
+KNOBS = ("rounds", "nodes", "workers", "steps", "inner_steps", "quality", "plot", "sweep", "trust")
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 
 
@@ -57,6 +58,8 @@ class BenchResult:
     figures: list[Figure] = field(default_factory=list)
     ratios: list[Figure] = field(default_factory=list)
     peak_rss_mb: float = 0.0
+    series: dict[str, Any] = field(default_factory=dict)
+    """Curves behind the figures (the quality bench's held-out losses), for plots and scripts."""
 
     def add(self, name: str, value: float, unit: str, note: str = "") -> None:
         self.figures.append(Figure(name, value, unit, note))
@@ -88,7 +91,7 @@ def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchR
         flag = "--" + knob.replace("_", "-")
         if knob not in accepted:
             raise ConfigError(f"{flag}: bench {name} has no such knob, got {value}")
-        if not isinstance(value, bool) and value < 1:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise ConfigError(f"{flag}: must be at least 1, got {value}")
     result: BenchResult = bench(preset_name, **knobs)
     result.peak_rss_mb = peak_rss_mb()

@@ -5,8 +5,8 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 - `serve [SNAPSHOT_FILE]`: a raw TCP sender on loopback (each connection sends an 8-byte little-endian
   length first: 0 asks for the file, n > 0 for n bytes from memory) and, given a file, a real gRPC
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
-- `quality diloco|dp`: says `{"side": …}`; a request `{"workers", "inner_steps", "outer_steps"}` trains
-  that side of the quality comparison (`bench_quality.train_side`) and answers its held-out loss.
+- `quality`: says `{"quality": true}`; each request is a `quality.SideJob` as JSON: it trains that side
+  of the quality comparison (`quality.train_side`) and answers its held-out curve (`Curve` as JSON).
 - `average NODE_ID [TRUST_MODE KEYS_DIR]`: an `AveragingServicer` on a gRPC server (see `average`).
   Says `{"grpc": port}`; a request
   `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
@@ -207,13 +207,13 @@ async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = N
 # quality
 
 
-async def quality(side: str) -> None:
-    from swarmnode.bench.quality import QualityRun, train_side
+async def quality() -> None:
+    from swarmnode.bench.quality import SideJob, train_side
 
-    say({"side": side})
+    say({"quality": True})
 
     async def train(request: dict[str, Any]) -> dict[str, Any]:
-        return train_side(side, QualityRun(**request))
+        return train_side(SideJob.from_dict(request)).to_dict()
 
     await answer_requests(train)
 
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> None:
     elif role == "average":
         asyncio.run(average(args[0], *args[1:2], *(Path(a) for a in args[2:3])))
     elif role == "quality":
-        asyncio.run(quality(args[0]))
+        asyncio.run(quality())
     else:
         raise SystemExit(f"unknown role {role!r}")
 

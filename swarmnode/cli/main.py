@@ -70,20 +70,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="a node's --data-dir")
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    plot = sub.add_parser(
+        "plot", help="draw nodes' training loss, held-out loss and tokens/s over time into a PNG"
+    )
+    plot.add_argument("dirs", nargs="+", type=Path, metavar="DATA_DIR", help="a node's --data-dir")
+    plot.add_argument("--out", required=True, type=Path, metavar="FILE.png")
     bench = sub.add_parser(
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
     bench.add_argument(
-        "name", choices=["snapshot", "fetch", "recovery", "allreduce", "train"], help="which benchmark"
+        "name",
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality"],
+        help="which benchmark",
     )
     bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument(
-        "--rounds", type=int, help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train)"
+        "--rounds",
+        type=int,
+        help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train, quality)",
     )
     bench.add_argument("--nodes", type=int, help="all-reduce processes (allreduce) or DiLoCo workers (train)")
+    bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
     bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
-    bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train)")
+    bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train, quality)")
+    bench.add_argument("--plot", metavar="FILE.png", help="quality: draw the held-out loss curves")
+    bench.add_argument(
+        "--sweep",
+        action="store_const",
+        const=True,
+        help="quality: sweep learning rates, outer lr and H first (at the same inner-step budget)",
+    )
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
@@ -174,6 +191,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from swarmnode.cli.commands import ledger_check_command
 
         return _checked(ledger_check_command, args.dirs, args.json)
+    if args.command == "plot":
+        from swarmnode.cli.plot import plot_command
+
+        return plot_command(args.dirs, args.out)
     if args.command == "demo":
         from swarmnode.cli.demo import run_demo
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from swarmnode.core.data import Batch
+from swarmnode.core.schedule import InnerSchedule
 
 Range = tuple[int, int]
 
@@ -29,7 +30,9 @@ Range = tuple[int, int]
 @dataclass(frozen=True)
 class DilocoConfig:
     inner_lr: float = 1e-3
-    """AdamW learning rate of the inner phase (constant)."""
+    """Peak AdamW learning rate of the inner phase (see `schedule`)."""
+    schedule: InnerSchedule = field(default_factory=InnerSchedule)
+    """How the inner learning rate moves over the schedule steps (default: constant, no warm-up)."""
     outer_lr: float = 0.7
     """Outer SGD learning rate (paper default)."""
     outer_momentum: float = 0.9
@@ -80,6 +83,8 @@ class DilocoTrainer:
         self._copy_local_to(self.global_flat)
         self._global_digest: str | None = None
         self.inner_opt = self._build_inner_optimizer(named)
+        self.schedule_step = 0
+        """The inner schedule's position: the next inner step takes `inner_lr_at(schedule_step)`."""
 
     def _build_inner_optimizer(self, named: list[tuple[str, nn.Parameter]]) -> torch.optim.AdamW:
         decay = [p for _, p in named if p.dim() >= 2]
@@ -104,8 +109,16 @@ class DilocoTrainer:
 
     # ----- the inner phase -----
 
+    def inner_lr_at(self, step: int) -> float:
+        return self.cfg.inner_lr * self.cfg.schedule.factor(step)
+
     def inner_step(self, batch: Batch) -> float:
-        """One AdamW step on θ; returns the batch's loss before the step."""
+        """One AdamW step on θ at the schedule's learning rate, which then moves on one step; returns
+        the batch's loss before the step."""
+        lr = self.inner_lr_at(self.schedule_step)
+        for group in self.inner_opt.param_groups:
+            group["lr"] = lr
+        self.schedule_step += 1
         self.model.train()
         inputs = batch.inputs.to(self.device, non_blocking=True)
         targets = batch.targets.to(self.device, non_blocking=True)
@@ -209,7 +222,10 @@ class DilocoTrainer:
         step = self.inner_opt.state[self.params[0]]["step"]
         return {
             "adam_step": int(step.item()),
+            "schedule_step": self.schedule_step,
             "inner_lr": self.cfg.inner_lr,
+            "schedule": self.cfg.schedule.describe(),
+            "lr": self.inner_lr_at(self.schedule_step),
             "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum,
             "weight_decay": self.cfg.weight_decay,
@@ -238,6 +254,7 @@ class DilocoTrainer:
         step = float(metadata["adam_step"])
         for p in self.params:
             self.inner_opt.state[p]["step"] = torch.tensor(step)
+        self.schedule_step = int(metadata["schedule_step"])
         if restore_rng:
             restore_rng_state(tensors)
 

@@ -11,6 +11,8 @@ Each node appends to DATA_DIR/ledger.jsonl:
   part of its average: the recorder's testimony of whose batches the round's model holds;
 - `{"event": "adopt", ...}` whenever it takes a state and cursor from elsewhere (a start, a recovery,
   a repair): the cursor it continues from.
+`round` and `settle` entries also carry the node's training figures at that moment (`STATS`: time,
+losses, tokens/s), which `swarmnode plot` draws.
 
 `check` replays a node's ledger as a chain of ranges: every round must start where the chain ends, and
 an adopted cursor must be a point of the chain (the rounds after it are dropped: trained again) or the
@@ -65,8 +67,16 @@ class Ledger:
         self.node_id = node_id
         self._failed = False
 
-    def round(self, outer_step: int, start: dict[str, int], end: dict[str, int]) -> None:
-        self._append({"event": "round", "outer_step": outer_step, "start": start, "end": end})
+    def round(
+        self,
+        outer_step: int,
+        start: dict[str, int],
+        end: dict[str, int],
+        stats: Mapping[str, float | None] | None = None,
+    ) -> None:
+        """`stats`: how the round's inner phase went (`training_stats`), for `swarmnode plot`."""
+        entry = {"event": "round", "outer_step": outer_step, "start": start, "end": end}
+        self._append({**entry, **(stats or {})})
 
     def settle(
         self,
@@ -77,13 +87,16 @@ class Ledger:
         *,
         group: Sequence[str] = (),
         included: Sequence[str] = (),
+        stats: Mapping[str, float | None] | None = None,
     ) -> None:
         """What became of round `outer_step`, and the global params' digest after it (None: unchanged);
-        for a group, its members and those whose contributions are in every part of the average."""
+        for a group, its members and those whose contributions are in every part of the average;
+        `stats`: the training's figures after it (`training_stats`: the held-out loss of the new θ_g)."""
         assert status in ROUND_STATUSES, status
         entry = {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
         if group:
             entry.update(group=list(group), included=list(included))
+        entry.update(stats or {})
         self._append({**entry, "global_digest": global_digest})
 
     def adopt(self, cursor: dict[str, int], source: str, outer_step: int) -> None:
@@ -98,6 +111,19 @@ class Ledger:
             if not self._failed:
                 logger.error("ledger %s not written (%s); training goes on", self.path, exc)
             self._failed = True
+
+
+STATS = ("ts", "inner_step", "tokens", "loss", "heldout_loss", "tokens_per_s")
+"""The figures `round` and `settle` entries carry besides their cursors (optional: older ledgers lack
+them; `check` ignores them): unix seconds, the node's inner steps and tokens so far, its last inner
+loss, the held-out loss of its global params and its training tokens per second."""
+
+
+def training_stats(
+    ts: float, inner_step: int, tokens: int, loss: float | None, heldout: float | None, tokens_per_s: float
+) -> dict[str, float | None]:
+    """A ledger entry's `STATS`, from the node's published training sample."""
+    return dict(zip(STATS, (round(ts, 3), inner_step, tokens, loss, heldout, tokens_per_s), strict=True))
 
 
 def read_ledger(data_dir: Path) -> list[dict[str, Any]]:

@@ -128,8 +128,10 @@ def run_digest(
         "seed": seed,
         "outer_lr": diloco.outer_lr,
         "outer_momentum": diloco.outer_momentum,
+        "inner_lr": diloco.inner_lr,
+        "schedule": diloco.schedule.describe(),
         "corpus": corpus_digest,
-        "format": 2,  # 2: averaged parts name the members they hold
+        "format": 3,  # 2: averaged parts name the members they hold; 3: the inner schedule
     }
     return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
 
@@ -340,6 +342,8 @@ class TrainingRun:
             self._check_cursor(cursor)
         self.trainer.load_state(snapshot.tensors, dict(meta.optimizer), restore_rng=False)
         self.trainer.reset_local_to_global()
+        # The round restarts from θ_g, so the schedule does too: where the peer's round began.
+        self.trainer.schedule_step = max(0, meta.schedule_step - meta.round_step)
         if cursor is not None:
             self.loader.load_state_dict(cursor)
         self._restore_progress(meta, keep_round=False)

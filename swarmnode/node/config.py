@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmnode.core.presets import MODEL_PRESETS
+from swarmnode.core.schedule import LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
 from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
@@ -49,6 +50,9 @@ class NodeConfig:
     inner_steps: int = 500
     inner_seconds: float | None = None
     inner_lr: float = 1e-3
+    lr_schedule: str = "constant"
+    inner_warmup_steps: int = 0
+    total_steps: int | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     batch_size: int = 8
@@ -98,6 +102,17 @@ class NodeConfig:
         return self.data_dir / "snapshots"
 
     @property
+    def inner_schedule(self) -> InnerSchedule:
+        """The inner learning-rate schedule: a cosine ends at --total-steps, or else after
+        --max-outer-steps rounds of --inner-steps; a constant one has no end."""
+        if self.lr_schedule == LrSchedule.CONSTANT:
+            return InnerSchedule(LrSchedule.CONSTANT, self.inner_warmup_steps)
+        total = self.total_steps
+        if total is None and self.max_outer_steps is not None:
+            total = self.max_outer_steps * self.inner_steps
+        return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
+
+    @property
     def advertised_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
@@ -133,6 +148,19 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
+    _check_schedule(cfg)
+
+
+def _check_schedule(cfg: NodeConfig) -> None:
+    if cfg.lr_schedule != LrSchedule.COSINE:
+        return
+    if cfg.total_steps is None and cfg.max_outer_steps is None:
+        raise ConfigError("--lr-schedule: cosine needs --total-steps (or --max-outer-steps), got 'cosine'")
+    total = cfg.total_steps or (cfg.max_outer_steps or 0) * cfg.inner_steps
+    if total <= cfg.inner_warmup_steps:
+        raise ConfigError(
+            f"--total-steps: must exceed --inner-warmup-steps ({cfg.inner_warmup_steps}), got {total}"
+        )
 
 
 # ----- value parsers: each returns the value or raises ValueError with the reason -----
@@ -281,7 +309,20 @@ FLAGS: tuple[Flag, ...] = (
         "optional time box of a round's inner phase, for slow volunteers (makes runs non-deterministic)",
         metavar="SECONDS",
     ),
-    Flag("inner_lr", _positive_float, "inner AdamW learning rate"),
+    Flag("inner_lr", _positive_float, "inner AdamW learning rate (the schedule's peak)"),
+    Flag(
+        "lr_schedule",
+        _choice(LR_SCHEDULES),
+        "inner learning-rate schedule after the warm-up: constant, or cosine down to 10% at --total-steps",
+        choices=LR_SCHEDULES,
+    ),
+    Flag("inner_warmup_steps", _non_negative_int, "inner steps of linear learning-rate warm-up"),
+    Flag(
+        "total_steps",
+        _positive_int,
+        "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps; "
+        "must agree across the run)",
+    ),
     Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
     Flag("outer_momentum", _fraction, "outer Nesterov momentum"),
     Flag("batch_size", _positive_int, "sequences per inner step"),

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from swarmnode.core.data import ShardLoader, shard_for_node
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.ledger import Ledger, RoundStatus
+from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
-from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
+from swarmnode.core.training import RunIdentity, TrainingRun, TrainingSample, run_digest
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
@@ -74,7 +74,12 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
     configure_determinism(checked.device, cfg.threads)
     shard = cfg.shard if cfg.shard is not None else shard_for_node(identity.node_id, cfg.num_shards)
     loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
-    diloco = DilocoConfig(inner_lr=cfg.inner_lr, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+    diloco = DilocoConfig(
+        inner_lr=cfg.inner_lr,
+        schedule=cfg.inner_schedule,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+    )
     corpus_digest = checked.corpus.digest
     digest = run_digest(
         cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
@@ -148,6 +153,17 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
             return await Node(parts, services, board, training, progress).run()
     finally:
         training.close()
+
+
+def _stats(sample: TrainingSample) -> dict[str, float | None]:
+    return training_stats(
+        time.time(),
+        sample.inner_step,
+        sample.tokens,
+        sample.last_loss,
+        sample.heldout_loss,
+        sample.tokens_per_s,
+    )
 
 
 def phase_before_round(last_round: RoundResult | None) -> Phase:
@@ -334,7 +350,8 @@ class Node:
     async def _outer_step(self) -> RoundResult:
         run = self.run_state
         start = await self.training.run(run.prepare_round)
-        await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end)
+        stats = _stats(run.sample)
+        await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
         self._open_round = start.outer_step
         expected = await self.membership.expected_peers(start.outer_step)
         result = await self.rounds.average(
@@ -376,6 +393,7 @@ class Node:
             digest,
             group=result.group if group else (),
             included=result.included,
+            stats=_stats(self.run_state.sample),
         )
 
     # ----- catching up with the swarm -----

@@ -100,6 +100,7 @@ def _cursor_table(value: Any) -> Mapping[str, Cursor]:
 def _optimizer(value: Any) -> Mapping[str, Any]:
     optimizer = _object(value)
     _field(optimizer, "adam_step", parse_count)
+    _field(optimizer, "schedule_step", parse_count)
     return optimizer
 
 
@@ -137,13 +138,18 @@ class StateMetadata:
     last_round: Mapping[str, Any] | None = _checked(_optional_object)
     global_digest: str = _checked(_sha256)
     optimizer: Mapping[str, Any] = _checked(_optimizer)
-    """The optimisers' hyper-parameters and the inner optimizer's step (`adam_step`)."""
+    """The optimisers' hyper-parameters, the inner optimizer's step (`adam_step`) and the inner
+    learning-rate schedule's position (`schedule_step`, with the schedule and its current `lr`)."""
     created_at: float = _checked(_finite_number)
     """Unix seconds by the writer's clock."""
 
     @property
     def adam_step(self) -> int:
         return int(self.optimizer["adam_step"])
+
+    @property
+    def schedule_step(self) -> int:
+        return int(self.optimizer["schedule_step"])
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object a snapshot stores."""

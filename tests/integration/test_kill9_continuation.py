@@ -28,6 +28,11 @@ RUN_ARGS = (
     "2",
     "--seed",
     "3",
+    # A warm-up and a cosine over the run's 36 inner steps: the schedule's position must resume too.
+    "--lr-schedule",
+    "cosine",
+    "--inner-warmup-steps",
+    "6",
 )
 
 
@@ -65,6 +70,8 @@ def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         assert torch.equal(tensors[name], tensor), f"{name} differs after the restart"
     for key in ("outer_step", "inner_step", "cursor", "tokens", "global_digest", "last_loss"):
         assert meta[key] == want_meta[key], key
+    for key in ("schedule_step", "lr"):
+        assert meta["optimizer"][key] == want_meta["optimizer"][key], key
 
 
 @pytest.mark.parametrize("fault", ["kill@inner_step#17", "kill@snapshot_halfway#3"])

@@ -75,3 +75,23 @@ def test_a_knob_the_bench_does_not_take_is_a_usage_error() -> None:
     )
     assert out.returncode == 2
     assert "--nodes" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_quality_bench_compares_three_sides_and_plots_them(tmp_path) -> None:
+    from PIL import Image
+
+    from swarmnode.util.plotting import SERIES_KEY
+
+    png = tmp_path / "quality.png"
+    knobs = ("--workers", "2", "--inner-steps", "2", "--rounds", "2", "--plot", str(png))
+    report = run_bench("quality", *knobs)
+    wanted = {
+        "DiLoCo loss / sync DP loss",
+        "DiLoCo share of DP's gain over one worker",
+        "sync DP bytes / DiLoCo bytes",
+    }
+    assert wanted <= set(ratios(report))
+    curves = report["series"]["quality"]
+    assert [c["job"]["side"] for c in curves] == ["diloco", "dp", "single"]
+    assert all(len(c["losses"]) == 3 for c in curves)  # the start and after each of 2 outer steps
+    assert len(Image.open(png).text[SERIES_KEY].split("\n")) == 3

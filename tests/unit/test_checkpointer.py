@@ -45,7 +45,7 @@ def meta(step: int, outer: int = 0, run_digest: str = RUN, node_id: str = NODE, 
         "swarm_cursors": {NODE: cursor},
         "last_round": None,
         "global_digest": "d" * 64,
-        "optimizer": {"adam_step": step},
+        "optimizer": {"adam_step": step, "schedule_step": step},
         "created_at": 1.7e9 + step,
         **changes,
     }

@@ -1,0 +1,79 @@
+"""The quality bench's parts that need no long run: the simulated average is the reducer's, the sweep
+picks each side's best (DiLoCo's among settings that save ≥ 100× bytes), and the plot is a PNG that
+names its three series."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from swarmnode.bench import quality, quality_sweep
+from swarmnode.bench.quality import Comparison, Curve, Setup, Side, SideJob
+from swarmnode.bench.quality_plot import plot_comparison
+from swarmnode.bench.runner import BenchResult
+from swarmnode.swarm.reducer import average
+from swarmnode.util.plotting import SERIES_KEY
+
+
+def test_simulated_average_is_the_reducers_at_equal_weights() -> None:
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(1000, generator=g) for _ in range(4)]
+    simulated = quality.mean_delta(deltas)
+    reduced = average([(k, 102400.0, d) for k, d in enumerate(deltas)], "fp32", 1000)
+    assert torch.equal(simulated.delta, reduced.values)
+    assert simulated.covered == ((0, 1000),)
+
+
+def fake_curve(job: SideJob) -> Curve:
+    """A made-up final loss: lower for a higher outer lr and a smaller H, best at peak lr 2e-3."""
+    loss = 2.0 - 0.1 * job.outer_lr + job.inner_steps / 1000 + abs(job.lr - 2e-3) * 100
+    loss += {Side.DILOCO: 0.0, Side.DP: -0.2, Side.SINGLE: 0.3}[job.side]
+    return Curve(job, (0, 1), (4.0, loss), 1.0, 1000)
+
+
+def test_sweep_picks_each_sides_best_and_a_frugal_h(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[SideJob] = []
+
+    def run_jobs(jobs: list[SideJob], log_dir: Path, processes: int = 1) -> list[Curve]:
+        asked.extend(jobs)
+        return [fake_curve(job) for job in jobs]
+
+    monkeypatch.setattr(quality_sweep, "run_jobs", run_jobs)
+    result = BenchResult("quality", "tiny")
+    chosen, comparison = quality_sweep.run_sweep(result, Setup(inner_steps=100, rounds=10), Path("."))
+    # H=50 is best overall but sends only 50× fewer bytes than DP: the choice is H=100.
+    assert (chosen.inner_steps, chosen.rounds, chosen.outer_lr) == (100, 10, 1.0)
+    assert (chosen.lr_diloco, chosen.lr_dp, chosen.lr_single) == (2e-3, 2e-3, 2e-3)
+    assert {(j.inner_steps, j.rounds) for j in asked if j.side is Side.DILOCO} == {
+        (50, 20),
+        (100, 10),
+        (250, 4),
+    }
+    assert len(asked) == 12 + 6 + 2
+    assert comparison.diloco.job.inner_steps == 100
+    notes = {f.name: f.note for f in result.figures}
+    assert "best overall" in notes["sweep: DiLoCo H=50 outer lr 1 peak lr 0.002"]
+    assert "chosen" in notes["sweep: DiLoCo H=100 outer lr 1 peak lr 0.002"]
+
+
+def test_plot_is_a_png_with_three_labelled_series(tmp_path: Path) -> None:
+    setup = Setup(workers=4, inner_steps=10, rounds=3)
+    curves = [
+        Curve(setup.job(side), (0, 10, 20, 30), (5.5, 3.0 - k / 10, 2.5 - k / 10, 2.2 - k / 10), 1.0, 100)
+        for k, side in enumerate((Side.DILOCO, Side.DP, Side.SINGLE))
+    ]
+    path = tmp_path / "quality.png"
+    labels = plot_comparison(Comparison(*curves), path)
+    image = Image.open(path)
+    assert image.format == "PNG" and image.width > 400 and image.height > 300
+    assert (
+        image.text[SERIES_KEY].split("\n")
+        == labels
+        == ["DiLoCo (4 workers)", "sync DP (4× batch)", "one worker"]
+    )
+    colours = np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3), axis=0)
+    assert len(colours) > 20  # drawn, not blank
