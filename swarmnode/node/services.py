@@ -99,6 +99,7 @@ async def start_services(
         identity,
         DHTConfig(host=cfg.host, port=cfg.dht_port, datagram_key=security.dht_datagram_key()),
         on_reject=lambda reason: metrics.dht_rejected.labels(reason).inc(),
+        on_request=lambda name: metrics.dht_requests.labels(name).inc(),
     )
 
     def status_now() -> rpc.NodeStatus:
@@ -133,6 +134,7 @@ def _matchmaker(
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
         functools.partial(propose_group, channels=channels),
+        group_size=cfg.group_size,
     )
 
 

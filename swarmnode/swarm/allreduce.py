@@ -167,6 +167,8 @@ class _Butterfly:
         return result
 
     def _encode_parts(self) -> dict[int, memoryview]:
+        if self.weight == 0:  # a contribution of weight 0 is averaged into nothing: only its header goes
+            return {}
         n = self.delta.numel()
         return {
             k: codecs.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
@@ -264,7 +266,7 @@ class _Butterfly:
             # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
             if tuple(await call.initial_metadata()) != wire.ADMITTED:
                 return
-            for message, size in wire.chunk_messages(self.images[k]):
+            for message, size in wire.chunk_messages(self.images.get(k, memoryview(b""))):
                 self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
                 await call.write(message)
             await call.done_writing()

@@ -30,6 +30,7 @@ import msgspec
 
 from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
+from swarmnode.swarm import grouping
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import clock
 from swarmnode.util.validate import is_sha256_hex
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.25
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
+DEFAULT_GROUP_SIZE = 16
+"""--group-size's default (README "The swarm at scale" has the measurement behind it)."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -113,7 +116,11 @@ class Matchmaker:
         timeout_s: float,
         allreduce_timeout_s: float,
         propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
+        group_size: int = DEFAULT_GROUP_SIZE,
     ) -> None:
+        """`group_size`: a round this node leads with more members averages in groups of at most
+        this many (`grouping.py`)."""
+        self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
@@ -235,16 +242,10 @@ class Matchmaker:
         if self._proposal.done():  # another leader's proposal arrived first: follow it
             return Outcome(self._proposal.result())
         ordered = sorted(members, key=lambda o: o.node_id)
-        spec = GroupSpec(
-            self.run_id,
-            own.outer_step,
-            f"{own.outer_step}-{own.node_id[:16]}",
-            tuple(o.member() for o in ordered),
-            self.wire_dtype,
-            self.allreduce_timeout_s,
-        )
+        spec = self._round_spec(own, ordered)
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         others = [o for o in ordered if o.node_id != own.node_id]
+        logger.debug("round %d: proposing group %s to %d members", own.outer_step, spec.group_id, len(others))
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
         self._mark_frozen(own)
         refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
@@ -255,6 +256,21 @@ class Matchmaker:
                 ", ".join(refused),
             )
         return Outcome(spec)
+
+    def _round_spec(self, own: Offer, ordered: list[Offer]) -> GroupSpec:
+        """The group as proposed: one flat group of at most --group-size members, or a round spec
+        cut into groups (its id tagged with the size, its members in the round's order)."""
+        members = [o.member() for o in ordered]
+        if len(members) > self.group_size:
+            members = grouping.round_order(members, own.outer_step)
+        return GroupSpec(
+            self.run_id,
+            own.outer_step,
+            grouping.grouped_id(f"{own.outer_step}-{own.node_id[:16]}", self.group_size, len(members)),
+            tuple(members),
+            self.wire_dtype,
+            self.allreduce_timeout_s,
+        )
 
     def _mark_frozen(self, own: Offer) -> None:
         """Tell late comers (in the background) that this round's group is closed, so that they stop

@@ -1,7 +1,8 @@
 """One outer step across the swarm: matchmaking, the butterfly all-reduce, and the coverage policy.
 
 `SwarmRounds.average` turns this node's pseudo-gradient into what the outer step may apply:
-- a group formed: the token-weighted average over the parts the all-reduce covered; below
+- a group formed: the token-weighted average over the parts the all-reduce covered (a round of more
+  than --group-size members averages in two levels, all or nothing: `grouping.py`); below
   --min-coverage nothing is applied (every part stays local progress, carried by the next Δ). Only the
   members whose contributions are in every covered part (`RoundResult.included`) have their cursors
   recorded in the lineage: a member left out of a part (it died, or its part came late) has batches
@@ -24,8 +25,10 @@ import torch
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.net.rpc import ChannelCache
 from swarmnode.swarm.allreduce import butterfly_allreduce
+from swarmnode.swarm.grouping import RoundPlan
 from swarmnode.swarm.matchmaking import Matchmaker, Offer
 from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.twolevel import two_level_allreduce
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.metrics import Metrics
 
@@ -100,6 +103,7 @@ class SwarmRounds:
                 await asyncio.sleep(self.matchmaker.timeout_s)
             return self._alone(delta, weight, outer_step, cursor, started, "no peer known", in_swarm)
         outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
+        self.metrics.matchmaking_seconds.observe(time.perf_counter() - started)
         if outcome.repair_from:
             self.metrics.round_failures.labels("digest_mismatch").inc()
             logger.warning(
@@ -174,8 +178,12 @@ class SwarmRounds:
         self, spec: GroupSpec, delta: torch.Tensor, weight: float, started: float
     ) -> RoundResult:
         self.servicer.expect(spec)
-        me = spec.index_of(self.node_id)
-        result = await butterfly_allreduce(self.servicer, spec, me, delta, weight, self.channels)
+        plan = RoundPlan.of(spec)
+        if plan is None:
+            me = spec.index_of(self.node_id)
+            result = await butterfly_allreduce(self.servicer, spec, me, delta, weight, self.channels)
+        else:
+            result = await two_level_allreduce(self.servicer, plan, delta, weight, self.channels)
         averaged = result.averaged
         coverage = averaged.coverage
         members = tuple(m.node_id for m in spec.members)

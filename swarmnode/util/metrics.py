@@ -28,6 +28,7 @@ RECOVERY_SOURCES = tuple(RecoverySource)
 DHT_REJECT_REASONS = tuple(DHTReject)
 SNAPSHOT_FAILURE_REASONS = tuple(SnapshotFailure)
 ROUND_FAILURE_REASONS = tuple(RoundFailure)
+DHT_REQUEST_KINDS = ("ping", "store", "find_node", "find_value")
 
 
 class Metrics:
@@ -160,6 +161,21 @@ class Metrics:
         )
         for reason in ROUND_FAILURE_REASONS:
             self.round_failures.labels(reason)
+        self._scale_metrics(r)
+
+    def _scale_metrics(self, r: CollectorRegistry) -> None:
+        """What a round costs as the swarm grows (README "The swarm at scale")."""
+        self.matchmaking_seconds = Histogram(
+            "swarmnode_matchmaking_seconds",
+            "Duration of a round's matchmaking, from the offer to the group (or none)",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.dht_requests = Counter(
+            "swarmnode_dht_requests", "DHT requests this node sent, by kind", ["kind"], registry=r
+        )
+        for kind in DHT_REQUEST_KINDS:
+            self.dht_requests.labels(kind)
 
     def track_snapshot_age(
         self, newest_created_at: Callable[[], float | None], now: Callable[[], float]

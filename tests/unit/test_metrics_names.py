@@ -111,6 +111,7 @@ def test_labels_are_bounded_and_pre_initialised(families) -> None:
         metrics_module.DHT_REJECT_REASONS,
         metrics_module.SNAPSHOT_FAILURE_REASONS,
         metrics_module.ROUND_FAILURE_REASONS,
+        metrics_module.DHT_REQUEST_KINDS,
         ("unauthenticated",),
     ):
         bounded_values |= set(reasons)
