@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class RoundResult:
     held: bool = False  # no group: the outer step is held (not applied, round counter unchanged)
     missed: bool = False  # the group formed without this node: it is behind and should catch up
     included: tuple[str, ...] = ()  # members whose contributions are in every covered part
+    groups: int = 1  # the groups the round averaged in (more than one: the two-level average)
+    matchmaking_seconds: float = 0.0  # of `seconds`, what matchmaking took
 
     def info(self) -> dict[str, object]:
         """The round as it is kept in snapshot metadata."""
@@ -65,6 +68,8 @@ class RoundResult:
             "seconds": round(self.seconds, 4),
             "bytes_sent": self.bytes_sent,
             "note": self.note,
+            "groups": self.groups,
+            "matchmaking_seconds": round(self.matchmaking_seconds, 4),
         }
 
 
@@ -103,7 +108,8 @@ class SwarmRounds:
                 await asyncio.sleep(self.matchmaker.timeout_s)
             return self._alone(delta, weight, outer_step, cursor, started, "no peer known", in_swarm)
         outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
-        self.metrics.matchmaking_seconds.observe(time.perf_counter() - started)
+        matchmaking_s = time.perf_counter() - started
+        self.metrics.matchmaking_seconds.observe(matchmaking_s)
         if outcome.repair_from:
             self.metrics.round_failures.labels("digest_mismatch").inc()
             logger.warning(
@@ -117,7 +123,8 @@ class SwarmRounds:
         if outcome.group is None:
             return self._alone(delta, weight, outer_step, cursor, started, outcome.reason, in_swarm)
         self._held = 0
-        return await self._allreduce(outcome.group, delta, weight, started)
+        result = await self._allreduce(outcome.group, delta, weight, started)
+        return dataclasses.replace(result, matchmaking_seconds=matchmaking_s)
 
     def reset_hold(self) -> None:
         """After a repair this node is with the swarm again: a later round without a group holds first."""
@@ -224,6 +231,7 @@ class SwarmRounds:
             note=note,
             weights=weights,
             included=tuple(m.node_id for m in delivered),
+            groups=1 if plan is None else len(plan.groups),
         )
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:

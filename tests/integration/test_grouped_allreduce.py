@@ -23,7 +23,8 @@ def round_spec(
     nodes: Sequence[Node], weights: Sequence[float], group_size: int, wire_dtype: str, timeout_s: float = 10.0
 ) -> GroupSpec:
     members = tuple(Member(n.servicer.node_id, n.address, w) for n, w in zip(nodes, weights, strict=True))
-    return GroupSpec("run", 7, grouped_id("7-leader", group_size, len(members)), members, wire_dtype, timeout_s)
+    group_id = grouped_id("7-leader", group_size, len(members))
+    return GroupSpec("run", 7, group_id, members, wire_dtype, timeout_s)
 
 
 async def grouped_allreduce(
@@ -52,7 +53,9 @@ def assert_identical(results: Sequence[AllReduceResult]) -> None:
 
 
 @pytest.mark.parametrize(("size", "group_size"), [(7, 3), (5, 2), (6, 4)])
-def test_two_level_fp32_average_is_the_weighted_mean_of_all_on_every_member(size: int, group_size: int) -> None:
+def test_two_level_fp32_average_is_the_weighted_mean_of_all_on_every_member(
+    size: int, group_size: int
+) -> None:
     n = 100_003
     deltas, weights = random_deltas(size, n, seed=size), [500.0 * (i + 1) for i in range(size)]
 
