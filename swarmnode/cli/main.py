@@ -74,20 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
     bench.add_argument(
-        "name", choices=["snapshot", "fetch", "recovery", "allreduce", "train"], help="which benchmark"
+        "name",
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "swarm"],
+        help="which benchmark",
     )
     bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument(
         "--rounds", type=int, help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train)"
     )
-    bench.add_argument("--nodes", type=int, help="all-reduce processes (allreduce) or DiLoCo workers (train)")
+    bench.add_argument(
+        "--nodes",
+        type=_counts,
+        help="all-reduce processes (allreduce), DiLoCo workers (train) or swarm sizes (swarm: 8,16,32)",
+    )
+    bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
+    bench.add_argument("--plot", type=Path, metavar="PNG", help="swarm: draw the figures against N, log-log")
     bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
     bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train)")
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """`--nodes`: one count or a comma-separated list of them."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or counts like 8,16,32, got {text!r}") from None
 
 
 CLIENT_SECURITY_FIELDS = ("swarm_token", "tls_cert", "tls_key", "tls_ca")

@@ -38,6 +38,8 @@ from swarmnode.util.validate import is_sha256_hex
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
+FOLLOWER_POLL_S = 1.0
+"""A node that has seen an offer ranked before its own looks the round up this often (`_poll_interval`)."""
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
 DEFAULT_GROUP_SIZE = 16
@@ -196,7 +198,7 @@ class Matchmaker:
                 return Outcome(None, reason=reason, missed=True)
             offers.update(_for_round(current, own.outer_step))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S)
+                await asyncio.wait_for(asyncio.shield(self._proposal), _poll_interval(own, offers))
         if self._proposal.done():
             return Outcome(self._proposal.result())
         offers.update(_for_round(await self._current_offers(key), own.outer_step))
@@ -295,7 +297,7 @@ class Matchmaker:
         key, closed = round_key(self.run_id), False
         while time.monotonic() < give_up:
             with contextlib.suppress(asyncio.TimeoutError):
-                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S))
+                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), FOLLOWER_POLL_S))
             entry = (await self.dht.get(key)).get(leader.node_id)
             now = Offer.from_entry(leader.node_id, entry) if entry is not None else None
             closed = now is not None and (
@@ -309,6 +311,15 @@ class Matchmaker:
             reason = f"leader {leader.node_id[:12]} closed the group without this node"
             return Outcome(None, reason=reason, missed=True)
         return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+
+
+def _poll_interval(own: Offer, offers: dict[str, Offer]) -> float:
+    """How long until the next look-up: short while this node may lead the round (no offer it has seen
+    ranks before its own), long once it knows it follows — the proposal comes to it over gRPC at once
+    either way, so a follower's look-ups only notice a round that closed without it. This keeps a
+    round's DHT requests per node near k·(timeout / FOLLOWER_POLL_S) for all but the leader."""
+    leads = min(offers.values(), key=_rank).node_id == own.node_id
+    return POLL_INTERVAL_S if leads else FOLLOWER_POLL_S
 
 
 def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:
