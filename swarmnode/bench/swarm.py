@@ -203,6 +203,7 @@ def _plot(measured: list[SwarmFigures], group_size: int, path: Path) -> None:
     base = measured[0]
     ax.loglog(ns, [base.overhead_s * (1 + math.log(n / base.nodes)) for n in ns], "k-", lw=0.6, label="log N")
     ax.set_xticks(ns, [str(n) for n in ns])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("nodes N")
     ax.set_ylabel("seconds per round")
     ax.set_title(f"swarmnode bench swarm: groups of {group_size}, one machine")

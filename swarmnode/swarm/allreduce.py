@@ -16,6 +16,8 @@ Failure semantics:
   part's average if its call is open, so every member that hears from a reducer hears the same.
 - A part whose result did not arrive whole within the budget is not covered (zeros, and missing from
   `covered`); nor is a part whose weights sum to 0. Nothing partial is ever applied.
+- A member of weight 0 (averaged into nothing) sends each reducer only its header, then ends its
+  side of the call: it is no longer expected, and it still gets the part's average.
 
 This module is the member side; the reducer side (`AveragingService`) is `reducer.py`.
 """
