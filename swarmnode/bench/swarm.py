@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmnode.bench.runner import BenchResult, load_note
-from swarmnode.util.procs import NodeProcess, wait_until
+from swarmnode.util.procs import ChildFailed, NodeProcess, wait_until
 
 DEFAULT_NODES = (8, 16, 32)
 _SAMPLE = re.compile(r"^(swarmnode_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
@@ -58,9 +58,14 @@ def bench_swarm(
 ) -> BenchResult:
     counts = (nodes,) if isinstance(nodes, int) else tuple(nodes)
     result = BenchResult("swarm", preset_name)
-    measured = [_measure(preset_name, n, rounds, inner_steps, group_size) for n in counts]
-    for m in measured:
-        _report(result, m, group_size)
+    measured = []
+    for n in counts:
+        try:
+            measured.append(_measure(preset_name, n, rounds, inner_steps, group_size))
+        except (ChildFailed, TimeoutError, OSError) as exc:  # one size failing leaves the others' figures
+            result.add(f"N={n}: not measured", 0, "", str(exc).splitlines()[0][:200])
+            continue
+        _report(result, measured[-1], group_size)
     if len(measured) > 1:
         first, last = measured[0], measured[-1]
         growth = math.log(last.nodes / first.nodes)
@@ -69,7 +74,7 @@ def bench_swarm(
             (last.overhead_s / last.round_wall_s) / (first.overhead_s / first.round_wall_s),
             f"ln(N ratio) = {growth:.2f}: at most logarithmic growth keeps this near or below 1 + it",
         )
-    if plot is not None:
+    if plot is not None and measured:
         _plot(measured, group_size, plot)
         result.add("plot", 0, "", str(plot))
     return result

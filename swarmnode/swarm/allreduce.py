@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,7 +233,7 @@ class _Butterfly:
         """One call; another, backing off, while member k does not know the group yet (it answers
         FAILED_PRECONDITION until it accepted the proposal), until the collect deadline."""
         retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(_not_known_yet),
+            retry=tenacity.retry_if_exception(_retryable(asyncio.get_running_loop().time())),
             wait=tenacity.wait_exponential(multiplier=0.02, max=0.25),
             stop=tenacity.stop_after_delay(
                 max(self.collect_deadline - asyncio.get_running_loop().time(), 0.0)
@@ -328,6 +329,28 @@ def _included(indices: Any, group_size: int) -> frozenset[int]:
 
 def _not_known_yet(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+FIRST_CONNECT_RETRY_S = 1.0
+"""How long a call that fails to connect (UNAVAILABLE) or dies before the reducer admits it
+(INTERNAL) is tried again: a busy machine's fresh connection, or grpc.aio reporting a refusal of a
+group not known yet as INTERNAL when it crosses the header's write. A dead member is given up after
+this, so its part is no longer waited for."""
+
+
+def _retryable(started: float) -> Callable[[BaseException], bool]:
+    """FAILED_PRECONDITION (the member does not know the group yet) until the collect deadline;
+    UNAVAILABLE and INTERNAL for `FIRST_CONNECT_RETRY_S` after the call's first try. A retried call
+    that the reducer had admitted after all is refused as a duplicate, which ends it as before."""
+    flaky = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+
+    def retry(exc: BaseException) -> bool:
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            return False
+        early = asyncio.get_running_loop().time() < started + FIRST_CONNECT_RETRY_S
+        return _not_known_yet(exc) or (early and exc.code() in flaky)
+
+    return retry
 
 
 async def propose_group(
