@@ -1,8 +1,8 @@
 """`swarmnode bench swarm --nodes 8,16,32`: a swarm of N real `swarmnode run` processes on loopback, per N.
 
 Each node trains the preset with `--threads 1` on a shard of its own, in groups of `--group-size`
-(default 4 here, so every N above it averages in two levels). Once every node has done its first outer
-step the bench takes each node's metrics, lets the swarm run `--rounds` more, takes them again, and
+(default 4 here, so every N above it averages in two levels). Once every node's last round held all
+N nodes the bench takes each node's metrics, lets the swarm run `--rounds` more, takes them again, and
 reports per N (means over the nodes, over those rounds): matchmaking seconds, all-reduce seconds, DHT
 requests sent, rounds completed (outer steps applied) against rounds attempted (matchmakings), the wall
 time of a round, and the peak RSS of the largest node. The round's *overhead* is matchmaking plus
@@ -102,7 +102,7 @@ def _node_args(preset_name: str, count: int, index: int, inner_steps: int, group
         *("--inner-steps", str(inner_steps), "--hot-every", "100000"),
         *("--cold-every", "1", "--keep-cold", "1"),
         *("--num-shards", str(count), "--shard", str(index), "--group-size", str(group_size)),
-        *("--matchmaking-timeout", "10", "--allreduce-timeout", "30", "--wait-peers", str(count - 1)),
+        *("--matchmaking-timeout", "10", "--allreduce-timeout", "30", "--wait-peers", str(min(count - 1, 7))),
         *("--run-id", f"bench-swarm-{count}", "--seed", "1"),
     ]
 
@@ -119,8 +119,9 @@ def _measure(preset_name: str, count: int, rounds: int, inner_steps: int, group_
                 nodes.append(NodeProcess(Path(tmp) / f"n{i}", args).start())
             for node in nodes:
                 node.wait_ready(600)
-            before, started = _scrape_at_step(nodes, 1), time.monotonic()
-            after = _scrape_at_step(nodes, 1 + rounds)
+            whole = _scrape_when_whole(nodes)
+            before, started = whole, time.monotonic()
+            after = _scrape_at_step(nodes, int(max(s["swarmnode_outer_step"] for s in whole)) + rounds)
             wall = (time.monotonic() - started) / rounds
             rss = max(_peak_rss_mb(node) for node in nodes)
         finally:
@@ -132,6 +133,19 @@ def _measure(preset_name: str, count: int, rounds: int, inner_steps: int, group_
                 except Exception:  # noqa: BLE001 - a node that does not stop is killed below
                     node.kill()
         return _figures(count, before, after, wall, rss)
+
+
+def _scrape_when_whole(nodes: list[NodeProcess]) -> list[dict[str, float]]:
+    """Every node's metrics once each one's last round averaged with all of them. Nodes start
+    training as soon as they know a few peers (`--wait-peers` counts routing contacts, and in a swarm
+    of dozens a node may not know every other one for a while); the first ones to start run rounds
+    among themselves and the others catch up and join, so the bench measures the whole swarm only."""
+
+    def whole() -> list[dict[str, float]] | None:
+        samples = [_metrics(node) for node in nodes]
+        return samples if all(s.get("swarmnode_group_size", 0) >= len(nodes) for s in samples) else None
+
+    return wait_until(whole, 300 + 20 * len(nodes), f"a round with all {len(nodes)} nodes", interval_s=0.5)
 
 
 def _scrape_at_step(nodes: list[NodeProcess], outer_step: int) -> list[dict[str, float]]:
