@@ -208,25 +208,33 @@ def _figures(
 
 
 def _plot(measured: list[SwarmFigures], group_size: int, path: Path) -> None:
+    """Left: seconds per round against N (log-log); right: the overhead's share of the round, the
+    figure that compares across N on one machine, with 1 + ln(N/N₀) growth for reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     ns = [m.nodes for m in measured]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    fig, (ax, share) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
     ax.loglog(ns, [m.overhead_s for m in measured], "o-", label="overhead (matchmaking + all-reduce)")
     ax.loglog(ns, [m.matchmaking_s for m in measured], "s--", label="matchmaking")
     ax.loglog(ns, [m.allreduce_s for m in measured], "^--", label="all-reduce")
     ax.loglog(ns, [m.round_wall_s for m in measured], "x:", label="round wall time (anchor)")
-    base = measured[0]
-    ax.loglog(ns, [base.overhead_s * (1 + math.log(n / base.nodes)) for n in ns], "k-", lw=0.6, label="log N")
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("nodes N")
     ax.set_ylabel("seconds per round")
-    ax.set_title(f"swarmnode bench swarm: groups of {group_size}, one machine")
-    ax.legend(fontsize=7)
+    base = measured[0]
+    shares = [m.overhead_s / m.round_wall_s for m in measured]
+    share.loglog(ns, shares, "o-", label="overhead / round wall time")
+    reference = [shares[0] * (1 + math.log(n / base.nodes)) for n in ns]
+    share.loglog(ns, reference, "k-", lw=0.6, label=f"{shares[0]:.2f}·(1 + ln(N/{base.nodes}))")
+    share.set_ylabel("share of the round")
+    for a in (ax, share):
+        a.set_xticks(ns, [str(n) for n in ns])
+        a.xaxis.set_minor_formatter(NullFormatter())
+        a.set_xlabel("nodes N")
+        a.legend(fontsize=7)
+    fig.suptitle(f"swarmnode bench swarm: groups of {group_size}, N processes on one machine")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -7,7 +7,8 @@ leader — earliest deadline, then lowest node id, among the offers a node sees 
 freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
 to every member over gRPC, so all members agree on the group and its order. A member accepts the first
 proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
-grace period goes on alone for that round, and says so.
+grace period goes on alone for that round, and says so. A round of more offers than the leader's
+--group-size is proposed as one round spec that every member cuts into the same groups (`grouping.py`).
 
 Digests: the leader groups only the offers whose global digest is the one most offers hold (on a tie,
 the earliest-ranked side's). A node on the other side knows its global params went astray: it leaves
