@@ -13,6 +13,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | `allreduce` | butterfly all-reduce of a pseudo-gradient | 2(N−1)/N · bytes / raw TCP throughput |
 | `train` | tokens/s of a real node; DiLoCo quality | a bare training loop; synchronous DP |
 | `quality` | DiLoCo's held-out loss over a run; a sweep of its settings | synchronous DP; one worker |
+| `swarm` | per swarm size N: matchmaking, all-reduce, DHT requests, rounds, RSS | the round's wall time |
 """
 
 from __future__ import annotations
@@ -39,7 +40,18 @@ from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.procs import largest_child_rss_mb
 
-KNOBS = ("rounds", "nodes", "workers", "steps", "inner_steps", "quality", "plot", "sweep", "trust")
+KNOBS = (
+    "rounds",
+    "nodes",
+    "workers",
+    "steps",
+    "inner_steps",
+    "quality",
+    "plot",
+    "sweep",
+    "trust",
+    "group_size",
+)
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 
 
@@ -87,18 +99,30 @@ def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchR
     bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
     knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
     accepted = inspect.signature(bench).parameters
-    for knob, value in knobs.items():
+    for knob, value in list(knobs.items()):
         flag = "--" + knob.replace("_", "-")
         if knob not in accepted:
             raise ConfigError(f"{flag}: bench {name} has no such knob, got {value}")
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ConfigError(f"{flag}: must be at least 1, got {value}")
+        knobs[knob] = _knob_value(flag, value, many=name == "swarm")
     result: BenchResult = bench(preset_name, **knobs)
     result.peak_rss_mb = peak_rss_mb()
     children = largest_child_rss_mb()
     if children:
         result.add("peak RSS of the largest child process", children, "MB")
     return result
+
+
+def _knob_value(flag: str, value: Any, many: bool) -> Any:
+    """A knob's value, checked: counts at least 1; `--nodes` a list of counts only where `many`."""
+    if isinstance(value, tuple):
+        if len(value) > 1 and not many:
+            raise ConfigError(f"{flag}: this bench takes one count, got {','.join(map(str, value))}")
+        for count in value:
+            _knob_value(flag, count, many)
+        return value if many else value[0]
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        raise ConfigError(f"{flag}: must be at least 1, got {value}")
+    return value
 
 
 def peak_rss_mb() -> float:

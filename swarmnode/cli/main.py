@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality"],
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm"],
         help="which benchmark",
     )
     bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
@@ -90,11 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="repetitions (snapshot, fetch, allreduce) or DiLoCo outer steps (train, quality)",
     )
-    bench.add_argument("--nodes", type=int, help="all-reduce processes (allreduce) or DiLoCo workers (train)")
+    bench.add_argument(
+        "--nodes",
+        type=_counts,
+        help="all-reduce processes (allreduce), DiLoCo workers (train) or swarm sizes (swarm: 8,16,32)",
+    )
+    bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
     bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
     bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train, quality)")
-    bench.add_argument("--plot", metavar="FILE.png", help="quality: draw the held-out loss curves")
+    bench.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="quality: draw the held-out loss curves; swarm: the figures against N",
+    )
     bench.add_argument(
         "--sweep",
         action="store_const",
@@ -111,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="allreduce: the cost of robust aggregation, signatures and mutual TLS vs the plain all-reduce",
     )
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """`--nodes`: one count or a comma-separated list of them."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or counts like 8,16,32, got {text!r}") from None
 
 
 CLIENT_SECURITY_FIELDS = ("swarm_token", "tls_cert", "tls_key", "tls_ca")

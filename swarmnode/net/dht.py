@@ -151,8 +151,14 @@ class SwarmDHT:
     protocol_class: type[SwarmProtocol] = SwarmProtocol
 
     def __init__(
-        self, identity: Identity, config: DHTConfig, on_reject: Callable[[str], None] | None = None
+        self,
+        identity: Identity,
+        config: DHTConfig,
+        on_reject: Callable[[str], None] | None = None,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_reject(reason)` counts what validation dropped; `on_request(name)` each request sent."""
+        self._on_request = on_request
         self._identity = identity
         self._config = config
         self._on_reject = on_reject
@@ -230,6 +236,7 @@ class SwarmDHT:
                 self._on_reject,
                 unverified_timeout_s=config.unverified_timeout_s,
                 datagram_key=config.datagram_key,
+                on_request=self._on_request,
             ),
             lookup_timeout_s=_LOOKUP_TIMEOUT_FACTOR * config.request_timeout_s,
             ksize=config.ksize,

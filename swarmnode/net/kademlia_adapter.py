@@ -61,6 +61,7 @@ import hashlib
 import hmac
 import logging
 import os
+import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine
@@ -216,16 +217,29 @@ def _parse_value_answer(answer: object) -> tuple[list[object], list[Node]]:
     return (blobs[:MAX_ANSWER_ITEMS] if isinstance(blobs, list) else []), _parse_contacts(answer.get("nodes"))
 
 
-def _freshest_that_fit(entries: list[SignedEntry], budget: int) -> list[bytes]:
-    """Encoded entries, latest expiry first, as many as fit in ``budget`` bytes."""
+def _freshest_that_fit(entries: list[SignedEntry], budget: int, keep_order: bool = False) -> list[bytes]:
+    """Encoded entries, latest expiry first (or in the given order), as many as fit in ``budget`` bytes."""
     blobs = []
-    for entry in sorted(entries, key=lambda e: e.expires_at, reverse=True):
+    ordered = entries if keep_order else sorted(entries, key=lambda e: e.expires_at, reverse=True)
+    for entry in ordered:
         blob = encode_entry(entry)
         budget -= len(blob) + 3  # msgpack's bin16 header
         if budget < 0:
             break
         blobs.append(blob)
     return blobs
+
+
+def _sample_that_fit(entries: list[SignedEntry], budget: int) -> list[bytes]:
+    """Every entry, freshest first, when they fit in ``budget`` bytes; else a random sample that fits.
+
+    A key with more publishers than one answer holds (a round's offers in a swarm of dozens: about 15
+    fit) would otherwise answer every reader with the same freshest ones, and the oldest — the round's
+    leader, whose offer came first — would reach nobody who does not hold the key itself. Each of the
+    k answers a look-up merges is its own sample, so together they cover the key."""
+    if sum(len(encode_entry(e)) + 3 for e in entries) <= budget:
+        return _freshest_that_fit(entries, budget)
+    return _freshest_that_fit(random.sample(entries, len(entries)), budget, keep_order=True)
 
 
 def datagram_tag(key: bytes, data: bytes) -> bytes:
@@ -346,8 +360,11 @@ class SwarmProtocol(KademliaProtocol):
         *,
         unverified_timeout_s: float | None = None,
         datagram_key: bytes | None = None,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_request(name)` is told of each request sent (ping, store, find_node, find_value)."""
         super().__init__(source_node, storage, ksize)
+        self._on_request = on_request
         self._wait_timeout = wait_timeout_s  # rpcudp's per-request timeout
         self._unverified_timeout = unverified_timeout_s or wait_timeout_s * UNVERIFIED_TIMEOUT_FRACTION
         self._datagram_key = datagram_key
@@ -429,7 +446,7 @@ class SwarmProtocol(KademliaProtocol):
         entries = self.storage.entries(key) if _is_node_id(key) else []
         if not entries:
             return nodes
-        return {"value": _freshest_that_fit(entries, MAX_ANSWER_ENTRY_BYTES), "nodes": nodes}
+        return {"value": _sample_that_fit(entries, MAX_ANSWER_ENTRY_BYTES), "nodes": nodes}
 
     # --- admission: who becomes a routing contact ---
 
@@ -630,6 +647,8 @@ class SwarmProtocol(KademliaProtocol):
         if len(data) > _MAX_REQUEST_BYTES:
             raise MalformedMessage(f"request {name} is {len(data)} bytes, over {_MAX_REQUEST_BYTES}")
         msg_id = os.urandom(20)
+        if self._on_request is not None:
+            self._on_request(name)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[bool, Any]] = loop.create_future()
         self._outstanding[msg_id] = (future, loop.call_later(timeout_s, self._timeout, msg_id))

@@ -21,8 +21,10 @@ from typing import Any
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
+from swarmnode.swarm.grouping import MIN_GROUP_SIZE
+from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
-from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
+from swarmnode.swarm.wire import MAX_GROUP_SIZE, MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.validate import parse_host_port
 
@@ -80,6 +82,7 @@ class NodeConfig:
     wire_dtype: str = "bf16"
     min_coverage: float = 0.5
     reachable: str = "auto"
+    group_size: int = DEFAULT_GROUP_SIZE
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -170,6 +173,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError("must be a positive integer")
+    return value
+
+
+def _group_size(text: str) -> int:
+    value = int(text)
+    if not MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE:
+        raise ValueError(f"must be in {MIN_GROUP_SIZE}..{MAX_GROUP_SIZE}")
     return value
 
 
@@ -402,6 +412,12 @@ FLAGS: tuple[Flag, ...] = (
         "whether peers can dial this node: auto asks peers to dial it back; no: a client behind NAT "
         "(trains and averages, never reduces or serves)",
         choices=REACHABLE_SETTINGS,
+    ),
+    Flag(
+        "group_size",
+        _group_size,
+        "most members of one averaging group: a round this node leads with more members averages in "
+        "groups of this size, then among their leaders (an exact two-level average)",
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),

@@ -125,6 +125,7 @@ async def start_services(
             client_mode=mode == Reachability.CLIENT,
         ),
         on_reject=lambda reason: metrics.dht_rejected.labels(reason).inc(),
+        on_request=lambda name: metrics.dht_requests.labels(name).inc(),
     )
 
     def status_now() -> rpc.NodeStatus:
@@ -172,6 +173,7 @@ def _matchmaker(
         functools.partial(propose_group, channels=channels, trust=trust),
         reachable=reachability.reachable,
         fetch_group=functools.partial(fetch_group, channels=channels, trust=trust),
+        group_size=cfg.group_size,
     )
 
 

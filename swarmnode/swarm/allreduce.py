@@ -18,6 +18,8 @@ Failure semantics:
   part's average if its call is open, so every member that hears from a reducer hears the same.
 - A part whose result did not arrive whole within the budget is not covered (zeros, and missing from
   `covered`); nor is a part whose weights sum to 0. Nothing partial is ever applied.
+- A member of weight 0 (averaged into nothing) sends each reducer only its header, then ends its
+  side of the call: it is no longer expected, and it still gets the part's average.
 
 This module is the member side; the reducer side (`AveragingService`) is `reducer.py`.
 """
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +179,8 @@ class _Butterfly:
         return result
 
     def _encode_parts(self) -> dict[int, memoryview]:
+        if self.weight == 0:  # a contribution of weight 0 is averaged into nothing: only its header goes
+            return {}
         n = self.delta.numel()
         return {
             k: codecs.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
@@ -242,7 +247,7 @@ class _Butterfly:
         """One call; another, backing off, while member k does not know the group yet (it answers
         FAILED_PRECONDITION until it accepted the proposal), until the collect deadline."""
         retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(_not_known_yet),
+            retry=tenacity.retry_if_exception(_retryable(asyncio.get_running_loop().time())),
             wait=tenacity.wait_exponential(multiplier=0.02, max=0.25),
             stop=tenacity.stop_after_delay(
                 max(self.collect_deadline - asyncio.get_running_loop().time(), 0.0)
@@ -279,7 +284,9 @@ class _Butterfly:
             # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
             if tuple(await call.initial_metadata()) != wire.ADMITTED:
                 return
-            for message, size in wire.chunk_messages(self.images[k], self.signatures.get(k, ())):
+            for message, size in wire.chunk_messages(
+                self.images.get(k, memoryview(b"")), self.signatures.get(k, ())
+            ):
                 self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
                 await call.write(message)
             await call.done_writing()
@@ -350,6 +357,28 @@ def _lie(header: pb.ContributionHeader, spec: GroupSpec, me: int, k: int) -> pb.
 
 def _not_known_yet(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+FIRST_CONNECT_RETRY_S = 1.0
+"""How long a call that fails to connect (UNAVAILABLE) or dies before the reducer admits it
+(INTERNAL) is tried again: a busy machine's fresh connection, or grpc.aio reporting a refusal of a
+group not known yet as INTERNAL when it crosses the header's write. A dead member is given up after
+this, so its part is no longer waited for."""
+
+
+def _retryable(started: float) -> Callable[[BaseException], bool]:
+    """FAILED_PRECONDITION (the member does not know the group yet) until the collect deadline;
+    UNAVAILABLE and INTERNAL for `FIRST_CONNECT_RETRY_S` after the call's first try. A retried call
+    that the reducer had admitted after all is refused as a duplicate, which ends it as before."""
+    flaky = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+
+    def retry(exc: BaseException) -> bool:
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            return False
+        early = asyncio.get_running_loop().time() < started + FIRST_CONNECT_RETRY_S
+        return _not_known_yet(exc) or (early and exc.code() in flaky)
+
+    return retry
 
 
 async def propose_group(

@@ -7,7 +7,8 @@ leader — earliest deadline, then lowest node id, among the offers a node sees 
 freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
 to every member over gRPC, so all members agree on the group and its order. A member accepts the first
 proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
-grace period goes on alone for that round, and says so.
+grace period goes on alone for that round, and says so. A round of more offers than the leader's
+--group-size is proposed as one round spec that every member cuts into the same groups (`grouping.py`).
 
 Clients (README "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
 address. It is a member like any other (the leader waits for its offer in the DHT as for anyone's),
@@ -35,6 +36,7 @@ import msgspec
 
 from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
+from swarmnode.swarm import grouping
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import clock
 from swarmnode.util.validate import is_sha256_hex
@@ -42,8 +44,12 @@ from swarmnode.util.validate import is_sha256_hex
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
+FOLLOWER_POLL_S = 1.0
+"""A node that has seen an offer ranked before its own looks the round up this often (`_poll_interval`)."""
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
+DEFAULT_GROUP_SIZE = 16
+"""--group-size's default (README "The swarm at scale" has the measurement behind it)."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -126,9 +132,13 @@ class Matchmaker:
         propose: Callable[[str, GroupSpec, float], Awaitable[bool]],
         reachable: Callable[[], bool] = lambda: True,
         fetch_group: FetchGroup | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
     ) -> None:
         """`reachable()`: this node's mode now (False: a client, see the module notes); `fetch_group`:
-        how a client asks a leader for its frozen group (needed once `reachable()` may be False)."""
+        how a client asks a leader for its frozen group (needed once `reachable()` may be False);
+        `group_size`: a round this node leads with more members averages in groups of at most this
+        many (`grouping.py`)."""
+        self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
         self._led: dict[int, GroupSpec] = {}  # the groups this node led, by round (the last few)
@@ -209,7 +219,7 @@ class Matchmaker:
                 return Outcome(None, reason=reason, missed=True)
             offers.update(_for_round(current, own.outer_step))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S)
+                await asyncio.wait_for(asyncio.shield(self._proposal), _poll_interval(own, offers))
         if self._proposal.done():
             return Outcome(self._proposal.result())
         offers.update(_for_round(await self._current_offers(key), own.outer_step))
@@ -258,18 +268,11 @@ class Matchmaker:
         if self._proposal.done():  # another leader's proposal arrived first: follow it
             return Outcome(self._proposal.result())
         ordered = sorted(members, key=lambda o: o.node_id)
-        spec = GroupSpec(
-            self.run_id,
-            own.outer_step,
-            f"{own.outer_step}-{own.node_id[:16]}",
-            tuple(o.member() for o in ordered),
-            self.wire_dtype,
-            self.allreduce_timeout_s,
-        )
+        spec = self._round_spec(own, ordered)
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         self._remember_led(spec)
-        logger.debug("round %d: leading group %s of %d", own.outer_step, spec.group_id, len(ordered))
         others = [o for o in ordered if o.node_id != own.node_id and o.reachable]  # clients ask for it
+        logger.debug("round %d: proposing group %s to %d members", own.outer_step, spec.group_id, len(others))
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
         self._mark_frozen(own)
         refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
@@ -280,6 +283,31 @@ class Matchmaker:
                 ", ".join(refused),
             )
         return Outcome(spec)
+
+    def _round_spec(self, own: Offer, ordered: list[Offer]) -> GroupSpec:
+        """The group as proposed: one flat group of at most --group-size members, or a round spec
+        cut into groups (its id tagged with the size, its members in the round's order)."""
+        members = [o.member() for o in ordered]
+        grouped = len(members) > self.group_size and grouping.can_group(members, self.group_size)
+        if grouped:
+            members = grouping.round_order(members, own.outer_step, self.group_size)
+        elif len(members) > self.group_size:
+            logger.info(
+                "round %d: %d members but too few reachable ones to lead %d groups: one flat group",
+                own.outer_step,
+                len(members),
+                len(grouping.group_bounds(len(members), self.group_size)) - 1,
+            )
+        return GroupSpec(
+            self.run_id,
+            own.outer_step,
+            grouping.grouped_id(f"{own.outer_step}-{own.node_id[:16]}", self.group_size, len(members))
+            if grouped
+            else f"{own.outer_step}-{own.node_id[:16]}",
+            tuple(members),
+            self.wire_dtype,
+            self.allreduce_timeout_s,
+        )
 
     def _mark_frozen(self, own: Offer) -> None:
         """Tell late comers (in the background) that this round's group is closed, so that they stop
@@ -341,7 +369,7 @@ class Matchmaker:
                 if pulled is not None:
                     return pulled
             with contextlib.suppress(asyncio.TimeoutError):
-                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), POLL_INTERVAL_S))
+                return Outcome(await asyncio.wait_for(asyncio.shield(self._proposal), FOLLOWER_POLL_S))
             entry = (await self.dht.get(key)).get(leader.node_id)
             now = Offer.from_entry(leader.node_id, entry) if entry is not None else None
             closed = now is not None and (
@@ -360,6 +388,15 @@ class Matchmaker:
 FetchGroup = Callable[[str, str, int, str, float], Awaitable["GroupSpec | bool | None"]]
 """`fetch_group(leader address, run id, round, node id, timeout_s)`: the leader's frozen group; False
 when it froze one without this node; None when it has none (yet) or did not answer."""
+
+
+def _poll_interval(own: Offer, offers: dict[str, Offer]) -> float:
+    """How long until the next look-up: short while this node may lead the round (no offer it has seen
+    ranks before its own), long once it knows it follows — the proposal comes to it over gRPC at once
+    either way, so a follower's look-ups only notice a round that closed without it. This keeps a
+    round's DHT requests per node near k·(timeout / FOLLOWER_POLL_S) for all but the leader."""
+    leads = min(offers.values(), key=_rank).node_id == own.node_id
+    return POLL_INTERVAL_S if leads else FOLLOWER_POLL_S
 
 
 def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:

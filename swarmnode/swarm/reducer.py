@@ -29,7 +29,7 @@ import torch
 
 from swarmnode.net import rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, wire
+from swarmnode.swarm import codecs, grouping, wire
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.aio import settle
@@ -41,8 +41,9 @@ HEADER_TIMEOUT_S = 10.0
 """How long a new `Exchange` call may take to send its header."""
 AWAIT_GROUP_MAX_S = 60.0
 """The longest an `AwaitGroup` call is held while this node is still matchmaking in its round."""
-MAX_KNOWN_GROUPS = 4
-"""Groups known here at once (proposed and not over); further proposals are declined."""
+MAX_KNOWN_GROUPS = 8
+"""Groups known here at once (proposed and not over); further proposals are declined. A grouped
+round (`grouping.py`) makes up to three known here: its group's, the leaders' and the hand-off."""
 _EOF: Any = grpc.aio.EOF
 
 
@@ -399,8 +400,12 @@ class AveragingServicer:
 
     def expect(self, spec: GroupSpec) -> bool:
         """Makes the group known here, so that calls for it which arrive before the local all-reduce
-        begins are held (for up to `spec.timeout_s`). False if too many groups are known or the group
-        id is taken; ValueError if this node is not a member."""
+        begins are held (for up to `spec.timeout_s`); for a grouped round spec, each sub-group this
+        node averages in. False if too many groups are known or a group id is taken; ValueError if
+        this node is not a member."""
+        return all([self._expect_one(sub) for sub in grouping.sub_specs(spec, self.node_id)])
+
+    def _expect_one(self, spec: GroupSpec) -> bool:
         my_index = spec.index_of(self.node_id)
         self._forget_expired()
         known = self._rounds.get(spec.group_id)

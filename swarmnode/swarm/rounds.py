@@ -1,7 +1,8 @@
 """One outer step across the swarm: matchmaking, the butterfly all-reduce, and the coverage policy.
 
 `SwarmRounds.average` turns this node's pseudo-gradient into what the outer step may apply:
-- a group formed: the token-weighted average over the parts the all-reduce covered; below
+- a group formed: the token-weighted average over the parts the all-reduce covered (a round of more
+  than --group-size members averages in two levels, all or nothing: `grouping.py`); below
   --min-coverage nothing is applied (every part stays local progress, carried by the next Δ). Only the
   members whose contributions are in every covered part (`RoundResult.included`) have their cursors
   recorded in the lineage: a member left out of a part (it died, or its part came late) has batches
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,8 +26,10 @@ import torch
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.net.rpc import ChannelCache
 from swarmnode.swarm.allreduce import butterfly_allreduce
+from swarmnode.swarm.grouping import RoundPlan
 from swarmnode.swarm.matchmaking import Matchmaker, Offer
 from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.twolevel import two_level_allreduce
 from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.metrics import Metrics
 
@@ -51,6 +55,8 @@ class RoundResult:
     held: bool = False  # no group: the outer step is held (not applied, round counter unchanged)
     missed: bool = False  # the group formed without this node: it is behind and should catch up
     included: tuple[str, ...] = ()  # members whose contributions are in every covered part
+    groups: int = 1  # the groups the round averaged in (more than one: the two-level average)
+    matchmaking_seconds: float = 0.0  # of `seconds`, what matchmaking took
 
     def info(self) -> dict[str, object]:
         """The round as it is kept in snapshot metadata."""
@@ -62,6 +68,8 @@ class RoundResult:
             "seconds": round(self.seconds, 4),
             "bytes_sent": self.bytes_sent,
             "note": self.note,
+            "groups": self.groups,
+            "matchmaking_seconds": round(self.matchmaking_seconds, 4),
         }
 
 
@@ -100,6 +108,8 @@ class SwarmRounds:
                 await asyncio.sleep(self.matchmaker.timeout_s)
             return self._alone(delta, weight, outer_step, cursor, started, "no peer known", in_swarm)
         outcome = await self.matchmaker.form_group(outer_step, weight, global_digest, cursor, expected_peers)
+        matchmaking_s = time.perf_counter() - started
+        self.metrics.matchmaking_seconds.observe(matchmaking_s)
         if outcome.repair_from:
             self.metrics.round_failures.labels("digest_mismatch").inc()
             logger.warning(
@@ -113,7 +123,8 @@ class SwarmRounds:
         if outcome.group is None:
             return self._alone(delta, weight, outer_step, cursor, started, outcome.reason, in_swarm)
         self._held = 0
-        return await self._allreduce(outcome.group, delta, weight, started)
+        result = await self._allreduce(outcome.group, delta, weight, started)
+        return dataclasses.replace(result, matchmaking_seconds=matchmaking_s)
 
     def reset_hold(self) -> None:
         """After a repair this node is with the swarm again: a later round without a group holds first."""
@@ -174,8 +185,12 @@ class SwarmRounds:
         self, spec: GroupSpec, delta: torch.Tensor, weight: float, started: float
     ) -> RoundResult:
         self.servicer.expect(spec)
-        me = spec.index_of(self.node_id)
-        result = await butterfly_allreduce(self.servicer, spec, me, delta, weight, self.channels)
+        plan = RoundPlan.of(spec)
+        if plan is None:
+            me = spec.index_of(self.node_id)
+            result = await butterfly_allreduce(self.servicer, spec, me, delta, weight, self.channels)
+        else:
+            result = await two_level_allreduce(self.servicer, plan, delta, weight, self.channels)
         averaged = result.averaged
         coverage = averaged.coverage
         members = tuple(m.node_id for m in spec.members)
@@ -216,6 +231,7 @@ class SwarmRounds:
             note=note,
             weights=weights,
             included=tuple(m.node_id for m in delivered),
+            groups=1 if plan is None else len(plan.groups),
         )
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:

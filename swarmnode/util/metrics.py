@@ -41,6 +41,7 @@ DIAL_BACK_RESULTS = (
 )
 AVERAGING_REJECT_REASONS = tuple(AveragingReject)
 EXCLUSION_REASONS = tuple(Exclusion)
+DHT_REQUEST_KINDS = ("ping", "store", "find_node", "find_value")
 
 
 class Metrics:
@@ -183,6 +184,7 @@ class Metrics:
         )
         for exclusion in EXCLUSION_REASONS:
             self.averaging_excluded.labels(exclusion)
+        self._scale_metrics(r)
 
     def _reachability_metrics(self, r: CollectorRegistry) -> None:
         self.reachable = Gauge(
@@ -201,6 +203,20 @@ class Metrics:
 
     def set_reachability(self, mode: Reachability) -> None:
         self.reachable.set(1 if mode == Reachability.REACHABLE else 0)
+
+    def _scale_metrics(self, r: CollectorRegistry) -> None:
+        """What a round costs as the swarm grows (README "The swarm at scale")."""
+        self.matchmaking_seconds = Histogram(
+            "swarmnode_matchmaking_seconds",
+            "Duration of a round's matchmaking, from the offer to the group (or none)",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.dht_requests = Counter(
+            "swarmnode_dht_requests", "DHT requests this node sent, by kind", ["kind"], registry=r
+        )
+        for kind in DHT_REQUEST_KINDS:
+            self.dht_requests.labels(kind)
 
     def track_snapshot_age(
         self, newest_created_at: Callable[[], float | None], now: Callable[[], float]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 
 def run_bench(name: str, *knobs: str) -> dict[str, Any]:
     out = subprocess.run(
@@ -95,3 +97,24 @@ def test_quality_bench_compares_three_sides_and_plots_them(tmp_path) -> None:
     assert [c["job"]["side"] for c in curves] == ["diloco", "dp", "single"]
     assert all(len(c["losses"]) == 3 for c in curves)  # the start and after each of 2 outer steps
     assert len(Image.open(png).text[SERIES_KEY].split("\n")) == 3
+
+
+@pytest.mark.slow
+def test_swarm_bench_emits_json_per_swarm_size() -> None:
+    report = run_bench("swarm", "--nodes", "2,3", "--rounds", "1", "--group-size", "2", "--inner-steps", "5")
+    names = {f["name"] for f in report["figures"]}
+    for n in (2, 3):
+        assert {f"N={n}: matchmaking per round", f"N={n}: DHT requests per node per round"} <= names
+    assert "overhead share N=3 / N=2" in ratios(report)
+
+
+def test_swarm_sizes_are_a_list_only_for_the_swarm_bench() -> None:
+    for knobs in (["allreduce", "--nodes", "2,4"], ["swarm", "--nodes", "8,x"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "swarmnode.cli", "bench", *knobs, "--model", "tiny"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, (knobs, out.stderr)
+        assert "--nodes" in out.stderr.strip().splitlines()[-1]

@@ -113,6 +113,7 @@ def test_labels_are_bounded_and_pre_initialised(families) -> None:
         metrics_module.ROUND_FAILURE_REASONS,
         metrics_module.PROBE_RESULTS,
         metrics_module.DIAL_BACK_RESULTS,
+        metrics_module.DHT_REQUEST_KINDS,
         ("unauthenticated",),
         metrics_module.AVERAGING_REJECT_REASONS,
         metrics_module.EXCLUSION_REASONS,
