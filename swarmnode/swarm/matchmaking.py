@@ -142,6 +142,7 @@ class Matchmaker:
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
         self._led: dict[int, GroupSpec] = {}  # the groups this node led, by round (the last few)
+        self._offered_as_client = False  # this round's offer: a client's (it asks for the group)
         self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
         self._open_round: int | None = None
@@ -179,6 +180,7 @@ class Matchmaker:
         # Rounded as it travels, so that every node ranks this offer by the very same deadline.
         deadline = round(clock.now() + self.timeout_s, 3)
         reachable = self.reachable()
+        self._offered_as_client = not reachable
         own = Offer(
             *(self.node_id, self.address if reachable else "", deadline, self.run_digest, global_digest),
             *(weight, cursor, outer_step),
@@ -364,7 +366,7 @@ class Matchmaker:
         give_up = time.monotonic() + wait_s + PROPOSE_TIMEOUT_S + 1.0
         key, closed = round_key(self.run_id), False
         while time.monotonic() < give_up:
-            if not self.reachable():
+            if self._offered_as_client:  # the leader proposes to no client
                 pulled = await self._ask_leader(leader, give_up)
                 if pulled is not None:
                     return pulled

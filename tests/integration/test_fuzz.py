@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from swarmnode.net import rpc
 from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.identity import Identity
-from swarmnode.proto.v1 import averaging_pb2, snapshot_pb2
+from swarmnode.proto.v1 import averaging_pb2, reachability_pb2, snapshot_pb2
 from swarmtest import ProcessReaper, node_status, start_swarm, wait_for
 
 EXAMPLES = 40
@@ -27,6 +27,8 @@ METHODS = {
     "/swarmnode.v1.SnapshotService/FetchSnapshot": "server_stream",
     "/swarmnode.v1.AveragingService/Propose": "unary",
     "/swarmnode.v1.AveragingService/Exchange": "bidi",
+    "/swarmnode.v1.AveragingService/AwaitGroup": "unary",
+    "/swarmnode.v1.ReachabilityService/DialBack": "unary",
     "/grpc.health.v1.Health/Check": "unary",
     "/grpc.health.v1.Health/Watch": "server_stream",
 }
@@ -109,6 +111,15 @@ requests = st.one_of(
         timeout_s=st.floats(allow_nan=True, allow_infinity=True),
     ).map(lambda m: ("/swarmnode.v1.AveragingService/Propose", m)),
     st.builds(averaging_pb2.Contribution).map(lambda m: ("/swarmnode.v1.AveragingService/Exchange", m)),
+    st.builds(
+        averaging_pb2.AwaitGroupRequest,
+        run_id=st.text(max_size=40),
+        round=st.integers(0, 2**64 - 1),
+        node_id=st.text(max_size=50),
+    ).map(lambda m: ("/swarmnode.v1.AveragingService/AwaitGroup", m)),
+    st.builds(
+        reachability_pb2.DialBackRequest, port=st.integers(0, 2**32 - 1), node_id=st.text(max_size=50)
+    ).map(lambda m: ("/swarmnode.v1.ReachabilityService/DialBack", m)),
 )
 
 

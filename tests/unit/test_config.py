@@ -65,6 +65,7 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--tls-cert", "c.pem"],
         ["--hot-level", "99"],
         ["--seq-len", "100000", "--model", "tiny"],
+        ["--reachable", "maybe"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
