@@ -48,7 +48,7 @@ FOLLOWER_POLL_S = 1.0
 """A node that has seen an offer ranked before its own looks the round up this often (`_poll_interval`)."""
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
-DEFAULT_GROUP_SIZE = 16
+DEFAULT_GROUP_SIZE = 8
 """--group-size's default (README "The swarm at scale" has the measurement behind it)."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries

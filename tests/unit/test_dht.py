@@ -294,11 +294,13 @@ def test_merge_keeps_highest_seq_per_publisher_in_any_order(picks: list[tuple[in
     assert {e.node_id_hex: e.seq for e in storage.entries(DKEY)} == expected
 
 
-def test_lookup_answer_holds_the_freshest_entries_that_fit() -> None:
-    asyncio.run(_lookup_answer_holds_the_freshest_entries_that_fit())
+def test_lookup_answer_holds_a_sample_of_the_entries_that_fit() -> None:
+    asyncio.run(_lookup_answer_holds_a_sample_of_the_entries_that_fit())
 
 
-async def _lookup_answer_holds_the_freshest_entries_that_fit() -> None:
+async def _lookup_answer_holds_a_sample_of_the_entries_that_fit() -> None:
+    """More entries than fit: each answer is a random sample that fits (so the k answers of a look-up
+    cover the key), never more than a datagram holds."""
     storage = EntryStorage()
     me = Identity.generate()
     protocol = SwarmProtocol(Node(me.node_id), storage, 20)
@@ -307,13 +309,15 @@ async def _lookup_answer_holds_the_freshest_entries_that_fit() -> None:
     for i in range(30):
         value = encode_value({"i": i, "pad": "x" * 800})
         storage.merge(DKEY, sign_entry(Identity.generate(), DKEY, value, 1, now + 100 + i))
-    answer = protocol.rpc_find_value(("127.0.0.1", 9), Identity.generate().node_id, DKEY)
-    blobs = answer["value"]
-    assert 0 < len(blobs) < 30
-    assert sum(len(b) for b in blobs) <= MAX_ANSWER_ENTRY_BYTES
-    expiries = [decode_and_verify_entry(DKEY, b, now).expires_at for b in blobs]
-    assert expiries == sorted(expiries, reverse=True) and expiries[0] == now + 129
-    assert len(umsgpack.packb(answer)) < 8192
+    seen: set[float] = set()
+    for _ in range(20):
+        answer = protocol.rpc_find_value(("127.0.0.1", 9), Identity.generate().node_id, DKEY)
+        blobs = answer["value"]
+        assert 0 < len(blobs) < 30
+        assert sum(len(b) for b in blobs) <= MAX_ANSWER_ENTRY_BYTES
+        assert len(umsgpack.packb(answer)) < 8192
+        seen |= {decode_and_verify_entry(DKEY, b, now).expires_at for b in blobs}
+    assert len(seen) == 30
     await protocol.aclose()
 
 
