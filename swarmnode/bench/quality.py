@@ -325,9 +325,11 @@ def bench_quality(
     rounds: int | None = None,
     plot: str | None = None,
     sweep: bool = False,
+    swarm: bool = False,
 ) -> BenchResult:
     """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
-    `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget."""
+    `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget; `--swarm`
+    runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`)."""
     if plot is not None and not plot.endswith(".png"):
         raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
     setup = Setup(
@@ -337,6 +339,12 @@ def bench_quality(
         rounds or DEFAULT_ROUNDS,
     )
     result = BenchResult("quality", preset_name)
+    if swarm:
+        from swarmnode.bench.swarm_quality import bench_swarm
+
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_swarm(result, setup, Path(tmp))
+        return result
     with tempfile.TemporaryDirectory() as tmp:
         if sweep:
             from swarmnode.bench.quality_sweep import run_sweep

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from swarmnode.bench.quality import Comparison, Curve, Setup, Side, SideJob, run_jobs
+from swarmnode.bench.quality import SIDE_PROCESSES, Comparison, Curve, Setup, Side, SideJob, run_jobs
 from swarmnode.bench.runner import BenchResult
 
 OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
@@ -36,7 +36,7 @@ def run_sweep(result: BenchResult, setup: Setup, log_dir: Path) -> tuple[Setup, 
         for outer_lr in OUTER_LRS
     ]
     baselines = [setup.job(side, lr=lr) for side in (Side.DP, Side.SINGLE) for lr in PEAK_LRS]
-    processes = os.cpu_count() or 1
+    processes = max(SIDE_PROCESSES, os.cpu_count() or 1)
     first = run_jobs([*grid, *baselines], log_dir, processes)  # the longest (DiLoCo) first
     diloco = _best_diloco(first[: len(grid)])
     dp = _best([c for c in first if c.job.side is Side.DP])

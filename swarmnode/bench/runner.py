@@ -51,6 +51,7 @@ KNOBS = (
     "sweep",
     "trust",
     "group_size",
+    "swarm",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 
@@ -148,13 +149,17 @@ BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
-    """A training run of the preset after a few inner steps, so weights and Adam moments are realistic."""
+def trained_run(
+    preset_name: str, train_steps: int, seq_len: int, batch_size: int, train: bool = True
+) -> TrainingRun:
+    """A training run of the preset after a few inner steps, so weights and Adam moments are realistic
+    (`train=False`: none here; the caller trains it on its own thread)."""
     corpus = default_corpus()
     model_cfg = preset(preset_name, corpus.vocab_size)
     loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
     digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
     identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
     run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
-    run.inner_phase(train_steps, None, threading.Event(), lambda: None)
+    if train:
+        run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

@@ -3,11 +3,15 @@
 
 The node is a single `swarmnode run` with its snapshots (hot every 50 inner steps, the default, or more
 often when fewer steps are timed), DHT and metrics on, and JSON progress lines every 0.1 s that say how
-far it is. The bare loop is the same model, batch, AdamW and torch threads in this process: forward,
-backward, clip, step. Other work on a shared machine comes and goes, so the two take turns, one snapshot
-period each: the node trains from one of its snapshots to the next (a window holds one staging stall and
-one whole background write), then waits stopped (SIGSTOP) while the bare loop trains as many steps.
-The best windows are compared, and the medians printed beside them.
+far it is. The bare loop is what the node wraps — `TrainingRun.inner_phase` on a training thread, same
+model, batch, AdamW, shard and `--threads` — in a worker process started like the node, with nothing
+else (`BareLoop`). It used to run on this process's main thread after 5 warm-up steps, which made it
+the slower of the two (node / bare 1.4-1.7): a different process and thread than the node's, and a
+colder start (README "Performance" says what was measured). Other work on a shared machine comes and
+goes, so the two take turns, one snapshot period each: the node trains from one of its snapshots to
+the next (a window holds one staging stall and one whole background write), then waits stopped
+(SIGSTOP) while the bare loop trains as many steps. The best windows are compared, and the medians
+printed beside them.
 """
 
 from __future__ import annotations
@@ -15,17 +19,19 @@ from __future__ import annotations
 import json
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from swarmnode.bench.quality import QualityRun, add_quality
-from swarmnode.bench.runner import BenchResult, load_note, median
-from swarmnode.core.data import ShardLoader, default_corpus
-from swarmnode.core.model import build_model, configure_determinism
-from swarmnode.core.presets import preset
-from swarmnode.util.procs import NodeProcess, wait_until
+from swarmnode.bench.runner import BenchResult, load_note, median, trained_run
+from swarmnode.bench.worker import answer_requests, say
+from swarmnode.core.model import configure_determinism
+from swarmnode.util.procs import NodeProcess, Worker, wait_until
+from swarmnode.util.threads import TrainingThread
 
 BATCH_SIZE = 8
 SEQ_LEN = 128
@@ -34,9 +40,6 @@ TIMEOUT_S = 900.0
 TOKENS = BATCH_SIZE * SEQ_LEN
 PROGRESS_S = 0.1
 """The node's progress interval: when each window ends is known to within this."""
-WARMUP_STEPS = 5
-"""Untimed first steps of the bare loop (a process's first steps are slow; the node's windows start
-at its first snapshot, well after its own)."""
 
 
 def bench_train(
@@ -70,54 +73,68 @@ def _note(rates: list[float], window: int) -> str:
 def alternate(preset_name: str, threads: int, window: int, windows: int) -> tuple[list[float], list[float]]:
     """Steps per second of the node and of the bare loop, window by window: the node trains a window
     (from one of its snapshots to the next), is stopped (SIGSTOP) while the bare loop trains one,
-    then goes on; so both meet the machine's other load alike."""
-    bare = BareLoop(preset_name, threads)
+    then goes on; so both meet the machine's other load alike. The bare worker warms up for a whole
+    window first, as the node's first timed window starts after its first snapshot period."""
     args = [
-        *("--model", preset_name, "--threads", str(threads), "--run-id", "bench-train"),
+        *("--model", preset_name, "--threads", str(threads), "--run-id", "bench-train", "--shard", "0"),
         *("--batch-size", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN), "--hot-every", str(window)),
         *("--inner-steps", "1000000", "--log-format", "json", "--progress-interval", str(PROGRESS_S)),
     ]
     node_rates, bare_rates = [], []
-    with tempfile.TemporaryDirectory() as tmp, NodeProcess(Path(tmp) / "node", args) as node:
-        progress = ProgressTail(node)
-        start = progress.wait_for(window)
-        for k in range(2, windows + 2):
-            node.signal(signal.SIGSTOP)
-            stopped = time.time()
-            bare_rates.append(window / bare.run(window))
-            node.signal(signal.SIGCONT)
-            paused = time.time() - stopped
-            end = progress.wait_for(k * window)
-            node_rates.append((end[0] - start[0]) / (end[1] - start[1] - paused))
-            start = end
+    bare_args = (preset_name, str(threads), str(window))
+    with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
+        worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
+        with NodeProcess(Path(tmp) / "node", args) as node:
+            progress, bare = ProgressTail(node), BareLoop(worker)
+            start = progress.wait_for(window)
+            for k in range(2, windows + 2):
+                node.signal(signal.SIGSTOP)
+                stopped = time.time()
+                bare_rates.append(window / bare.run(window))
+                node.signal(signal.SIGCONT)
+                paused = time.time() - stopped
+                end = progress.wait_for(k * window)
+                node_rates.append((end[0] - start[0]) / (end[1] - start[1] - paused))
+                start = end
     return node_rates, bare_rates
 
 
 class BareLoop:
-    """The same model, batch, AdamW and threads as the node, trained in this process (warmed up)."""
+    """The anchor: the loop a node wraps — `TrainingRun.inner_phase` on a training thread — in a
+    `bare-train` worker process of its own, started like the node (same interpreter, environment,
+    `--threads`, deterministic kernels, model, batch, shard 0) but with no snapshots, DHT, gRPC or
+    metrics server. It times its windows itself; while it trains, the node is stopped, and while the
+    node trains, it waits on its stdin."""
 
-    def __init__(self, preset_name: str, threads: int) -> None:
-        corpus = default_corpus()
-        configure_determinism(torch.device("cpu"), threads)  # the node's settings: the same kernels
-        self.model = build_model(preset(preset_name, corpus.vocab_size), 0, torch.device("cpu"))
-        self.loader = ShardLoader(corpus, 0, 16, BATCH_SIZE, SEQ_LEN, seed=0)
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
-        )
-        self.run(WARMUP_STEPS)
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
 
     def run(self, steps: int) -> float:
-        """Seconds of `steps` steps: forward, backward, clip, AdamW."""
+        """Seconds of `steps` inner steps, measured inside the worker."""
+        return float(self.worker.ask({"steps": steps}, TIMEOUT_S)["seconds"])
+
+
+async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
+    """The `bare-train` worker: `warmup_steps` untimed steps, then one timed window per request."""
+    configure_determinism(torch.device("cpu"), threads)  # what `swarmnode run --threads` does
+    run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE, train=False)
+    training, stop = TrainingThread(), threading.Event()
+
+    def steps(count: int) -> float:
         started = time.perf_counter()
-        for _ in range(steps):
-            batch = self.loader.next_batch()
-            loss = self.model.loss(batch.inputs, batch.targets)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=False)
-            self.opt.step()
-            loss.item()
+        run.inner_phase(run.progress.round_step + count, None, stop, lambda: None)
         return time.perf_counter() - started
+
+    try:
+        await training.run(steps, warmup_steps)
+        say({"bare": True})
+
+        async def window(request: dict[str, Any]) -> dict[str, Any]:
+            return {"seconds": await training.run(steps, int(request["steps"]))}
+
+        await answer_requests(window)
+    finally:
+        training.close()
 
 
 class ProgressTail:

@@ -7,6 +7,9 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
 - `quality`: says `{"quality": true}`; each request is a `quality.SideJob` as JSON: it trains that side
   of the quality comparison (`quality.train_side`) and answers its held-out curve (`Curve` as JSON).
+- `bare-train PRESET THREADS WARMUP_STEPS`: the train bench's anchor (`train.bare_train`): trains
+  WARMUP_STEPS untimed, says `{"bare": true}`; a request `{"steps": n}` trains n more and answers
+  their seconds.
 - `average NODE_ID [TRUST_MODE KEYS_DIR]`: an `AveragingServicer` on a gRPC server (see `average`).
   Says `{"grpc": port}`; a request
   `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
@@ -226,6 +229,10 @@ def main(argv: list[str]) -> None:
         asyncio.run(average(args[0], *args[1:2], *(Path(a) for a in args[2:3])))
     elif role == "quality":
         asyncio.run(quality())
+    elif role == "bare-train":
+        from swarmnode.bench.train import bare_train
+
+        asyncio.run(bare_train(args[0], int(args[1]), int(args[2])))
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality: sweep learning rates, outer lr and H first (at the same inner-step budget)",
     )
     bench.add_argument(
+        "--swarm",
+        action="store_const",
+        const=True,
+        help="quality: real `swarmnode run` nodes on loopback against the simulated DiLoCo, same flags",
+    )
+    bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
     bench.add_argument(
