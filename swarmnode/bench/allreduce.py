@@ -92,9 +92,11 @@ def _sample_gloo(glooers: list[Worker], numel: int, r: int, samples: dict[str, l
             worker.ask({"numel": numel, "seed": k, "dtype": dtype}, ROUND_TIMEOUT_S)
         for worker in glooers:
             worker.send({"go": True})
-        seconds = max(worker.read(ROUND_TIMEOUT_S)["seconds"] for worker in glooers)
+        replies = [worker.read(ROUND_TIMEOUT_S) for worker in glooers]
         if r > 0:
-            samples.setdefault(f"gloo {dtype}", []).append({"seconds": seconds})
+            samples.setdefault(f"gloo {dtype}", []).append(
+                {"seconds": max(reply["seconds"] for reply in replies), "cpu_s": _mean_cpu(replies)}
+            )
 
 
 def _param_count(preset_name: str) -> int:
@@ -125,12 +127,8 @@ def _report(
         "ms",
         f"median of {len(seconds)}, best {min(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}",
     )
-    result.add(
-        f"  where the time went, {wire_dtype}",
-        median(seconds) * 1e3,
-        "ms",
-        _phases_note(samples),
-    )
+    cpu = median([_mean_cpu(sample["replies"]) for sample in samples])
+    result.add(f"  where the time went, {wire_dtype}", cpu * 1e3, "ms CPU", _phases_note(samples))
     result.add(
         f"raw TCP of the {wire_dtype} bytes",
         size / min(sample["raw"] for sample in samples) / 1e9,
@@ -149,22 +147,31 @@ def _phases_note(samples: list[dict[str, Any]]) -> str:
         slowest = max(sample["replies"], key=lambda reply: reply["seconds"])
         for name, at in slowest["phases"].items():
             phases.setdefault(name, []).append(at)
-    return ", ".join(f"{name} {median(ats) * 1e3:.0f}" for name, ats in phases.items()) + " ms"
+    marks = ", ".join(f"{name} {median(ats) * 1e3:.0f}" for name, ats in phases.items())
+    return f"per member (all threads); slowest member reached {marks} ms"
+
+
+def _mean_cpu(replies: list[dict[str, Any]]) -> float:
+    return sum(reply["cpu_s"] for reply in replies) / len(replies)
 
 
 def _report_gloo(result: BenchResult, samples: dict[str, list[dict[str, Any]]]) -> None:
     for dtype in GLOO_DTYPES:
         seconds = [sample["seconds"] for sample in samples[f"gloo {dtype}"]]
+        cpu = median([sample["cpu_s"] for sample in samples[f"gloo {dtype}"]])
         result.add(
             f"gloo all_reduce {dtype} (anchor)",
             median(seconds) * 1e3,
             "ms",
-            f"median of {len(seconds)}, best {min(seconds) * 1e3:.0f} ms; torch.distributed",
+            f"median of {len(seconds)}, best {min(seconds) * 1e3:.0f} ms; CPU {cpu * 1e3:.0f} ms per rank",
         )
 
 
 def _report_anchor(result: BenchResult, samples: dict[str, list[dict[str, Any]]]) -> None:
     gloo = median([sample["seconds"] for sample in samples["gloo fp32"]])
+    gloo_cpu = median([sample["cpu_s"] for sample in samples["gloo fp32"]])
     for wire_dtype, target in (("fp32", "target ≤ 1.5"), ("bf16", "target < 1")):
         ours = median([max(r["seconds"] for r in sample["replies"]) for sample in samples[wire_dtype]])
         result.ratio(f"all-reduce {wire_dtype} / gloo fp32", ours / gloo, f"medians; {target}")
+    ours_cpu = median([_mean_cpu(sample["replies"]) for sample in samples["fp32"]])
+    result.ratio("CPU per member, fp32 / gloo fp32", ours_cpu / gloo_cpu, "medians; all threads")

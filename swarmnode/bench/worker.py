@@ -10,12 +10,12 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 - `average NODE_ID`: an `AveragingServicer` on a gRPC server. Says `{"grpc": port}`; a request
   `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
   (`{"ready": true}`); `{"go": true}` runs `butterfly_allreduce` of that group (on channels it
-  keeps, as a node does) and answers its seconds, bytes sent, coverage and phases.
+  keeps, as a node does) and answers its seconds, bytes sent, coverage, phases and CPU seconds (all threads).
 - `gloo RANK WORLD PORT`: a member of a torch.distributed gloo group (TCP store on 127.0.0.1:PORT, rank
   0 hosts it), the all-reduce anchor. Says `{"rank": r}` once the group is up; a request
   `{"numel": n, "seed": s, "dtype": "fp32"|"bf16"}` prepares a random tensor (answers `{"ready": true}`);
   `{"go": true}` waits at a barrier, then times one `all_reduce` (a sum, divided by the world size
-  afterwards, like an average) and answers its seconds.
+  afterwards, like an average) and answers its seconds and CPU seconds.
 """
 
 from __future__ import annotations
@@ -167,12 +167,14 @@ class Member:
             return {"ready": self.servicer.expect(self.spec)}
         assert self.spec is not None, "go before spec"
         spec, index = self.spec, self.spec.index_of(self.servicer.node_id)
+        cpu = time.process_time()
         result = await butterfly_allreduce(self.servicer, spec, index, self.delta, 1.0, self.channels)
         return {
             "seconds": result.seconds,
             "bytes_sent": result.bytes_sent,
             "coverage": result.averaged.coverage,
             "phases": dict(result.phases),
+            "cpu_s": time.process_time() - cpu,
         }
 
 
@@ -210,10 +212,10 @@ class GlooMember:
             self.tensor = values.to(torch.bfloat16) if request.get("dtype") == "bf16" else values
             return {"ready": True}
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         dist.all_reduce(self.tensor)
         self.tensor.div_(dist.get_world_size())
-        return {"seconds": time.perf_counter() - started}
+        return {"seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
 async def gloo(rank: int, world: int, port: int) -> None:
