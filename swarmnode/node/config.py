@@ -72,6 +72,7 @@ class NodeConfig:
     allreduce_timeout_s: float = 30.0
     wire_dtype: str = "bf16"
     min_coverage: float = 0.5
+    overlap: str = "off"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -218,6 +219,9 @@ class Flag:
         return "SWARMNODE_" + self.option[2:].replace("-", "_").upper()
 
 
+OVERLAP_CHOICES = ("off", "on")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -336,6 +340,13 @@ FLAGS: tuple[Flag, ...] = (
         "min_coverage",
         _fraction,
         "below this averaged fraction of the pseudo-gradient the outer step is skipped (local progress kept)",
+    ),
+    Flag(
+        "overlap",
+        _choice(OVERLAP_CHOICES),
+        "on: a round's all-reduce runs while the next inner phase trains, its outer step applied when "
+        "it arrives (README: overlapped outer step)",
+        choices=OVERLAP_CHOICES,
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),
