@@ -53,6 +53,8 @@ class OverlappedRounds:
         self.pending_steps = 0
         """Inner steps of the round in flight: until it lands they still count in `round_step`."""
         self.last: RoundResult | None = None
+        self.verdict = False
+        """A landed round says this node is behind or astray: the catch-up must look before more steps."""
 
     async def run(self) -> None:
         node = self.node
@@ -61,6 +63,7 @@ class OverlappedRounds:
         try:
             while not node._finished():
                 node.board.phase = phase_before_round(self.last)
+                self.verdict = False
                 if self.pending is None and await node._catch_up(self.last):
                     await node._rejoin_phase()
                 else:
@@ -69,6 +72,8 @@ class OverlappedRounds:
                     break
                 if self.pending is not None:  # the inner phase ended before the average came
                     await self._land()
+                    continue
+                if self.verdict:  # it landed mid-phase: back to the catch-up first
                     continue
                 start = await node._begin_round()
                 self.pending = asyncio.create_task(self._average(start), name=f"round-{start.outer_step}")
@@ -98,7 +103,7 @@ class OverlappedRounds:
             if self.pending is None or not self.pending.done() or node._stop.is_set():
                 return
             await self._land()
-            if node._finished() or self.last is None or self.last.missed or self.last.repair_from:
+            if node._finished() or self.verdict:
                 return  # the catch-up decides before any further step
 
     async def _land(self) -> None:
@@ -110,6 +115,7 @@ class OverlappedRounds:
         try:
             start, result = await pending
             self.last = await node._finish_round(start, result, overlapped=True)
+            self.verdict = self.last.missed or bool(self.last.repair_from)
         except Exception:
             logger.exception("overlapped round failed; its work stays local progress")
             node.metrics.round_failures.labels("error").inc()
