@@ -1,11 +1,17 @@
 """`swarmnode bench allreduce`: butterfly all-reduce of a pseudo-gradient of the preset's size among N
-local processes, per wire dtype, vs the butterfly's bound measured in the same run.
+local processes, per wire dtype, against torch.distributed gloo's `all_reduce` of the same tensor in as
+many processes, and against the butterfly's bandwidth bound, all in the same run.
 
-Each member is a worker process with an `AveragingServicer` on a real gRPC server (one torch thread
-each: the members share the machine's cores). A round tells every member the group (so calls that come
-early are held), then starts them together; its time is the slowest member's `AllReduceResult.seconds`.
-The bound is what the butterfly must move through each member's link: 2(N−1)/N · bytes, at the speed of
-a raw loopback TCP transfer of the same bytes between two processes, sampled beside each round.
+Each member is a worker process with an `AveragingServicer` on a real gRPC server and cached channels
+to its peers (one torch thread each: the members share the machine's cores). A round tells every member
+the group (so calls that come early are held), then starts them together; its time is the slowest
+member's `AllReduceResult.seconds`. The gloo ranks (`bench/worker.py`, role `gloo`) meet at a barrier
+and time one `all_reduce` (a sum, then divided by N); its time is the slowest rank's. Round 0 warms
+both engines up (connections, buffers) and is not counted; then the engines and dtypes take turns,
+`rounds` times. The profile: each member's CPU seconds (all threads) and the time at which the slowest
+member reached each phase (`AllReduceResult.phases`). The bound is what the butterfly must move
+through each member's link: 2(N−1)/N · bytes, at the speed of a raw loopback TCP transfer of the same
+bytes between two processes, sampled beside each round.
 """
 
 from __future__ import annotations
