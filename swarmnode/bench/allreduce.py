@@ -1,11 +1,17 @@
 """`swarmnode bench allreduce`: butterfly all-reduce of a pseudo-gradient of the preset's size among N
-local processes, per wire dtype, vs the butterfly's bound measured in the same run.
+local processes, per wire dtype, against torch.distributed gloo's `all_reduce` of the same tensor in as
+many processes, and against the butterfly's bandwidth bound, all in the same run.
 
-Each member is a worker process with an `AveragingServicer` on a real gRPC server (one torch thread
-each: the members share the machine's cores). A round tells every member the group (so calls that come
-early are held), then starts them together; its time is the slowest member's `AllReduceResult.seconds`.
-The bound is what the butterfly must move through each member's link: 2(N−1)/N · bytes, at the speed of
-a raw loopback TCP transfer of the same bytes between two processes, sampled beside each round.
+Each member is a worker process with an `AveragingServicer` on a real gRPC server and cached channels
+to its peers (one torch thread each: the members share the machine's cores). A round tells every member
+the group (so calls that come early are held), then starts them together; its time is the slowest
+member's `AllReduceResult.seconds`. The gloo ranks (`bench/worker.py`, role `gloo`) meet at a barrier
+and time one `all_reduce` (a sum, then divided by N); its time is the slowest rank's. Round 0 warms
+both engines up (connections, buffers) and is not counted; then the engines and dtypes take turns,
+`rounds` times. The profile: each member's CPU seconds (all threads) and the time at which the slowest
+member reached each phase (`AllReduceResult.phases`). The bound is what the butterfly must move
+through each member's link: 2(N−1)/N · bytes, at the speed of a raw loopback TCP transfer of the same
+bytes between two processes, sampled beside each round.
 
 `--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, no
 norm screening) in the same run: `robust` (the norm screening), `signed` (signed headers and chunks:
@@ -36,7 +42,7 @@ from swarmnode.swarm.allreduce import GroupSpec
 from swarmnode.swarm.codecs import encoded_size
 from swarmnode.swarm.wire import WIRE_DTYPES, Member
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import Worker
+from swarmnode.util.procs import Worker, free_port
 
 WORKER_START_S = 120.0
 ROUND_TIMEOUT_S = 300.0
@@ -116,34 +122,75 @@ def _certificate(
     return builder.sign(signer, hashes.SHA256())
 
 
-def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 3, trust: bool = False) -> BenchResult:
-    """`nodes`: group members (processes); `rounds`: all-reduces per wire dtype (or trust mode)."""
+BENCH_DTYPES = WIRE_DTYPES
+GLOO_DTYPES = ("fp32", "bf16")
+
+
+def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 5, trust: bool = False) -> BenchResult:
+    """`nodes`: group members (processes, for both engines); `rounds`: timed all-reduces per engine and
+    dtype, interleaved, after one warm-up each that is not counted (with `trust`: per trust mode)."""
     if nodes < 2:
         raise ConfigError(f"--nodes: an all-reduce needs at least 2 members, got {nodes}")
     if trust:
         return bench_trust(preset_name, nodes, rounds)
     result = BenchResult("allreduce", preset_name)
     numel = _param_count(preset_name)
-    result.add("pseudo-gradient", numel / 1e6, "M values", f"{nodes} member processes")
+    result.add("pseudo-gradient", numel / 1e6, "M values", f"{nodes} member processes per engine")
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as children:
-        ids = [hashlib.sha256(f"bench-member-{k}".encode()).hexdigest()[:40] for k in range(nodes)]
-        workers = [children.enter_context(Worker(Path(tmp), "average", node_id)) for node_id in ids]
+        members, workers = _butterfly_members(Path(tmp), children, nodes)
+        glooers = _gloo_members(Path(tmp), children, nodes)
         sender = children.enter_context(Worker(Path(tmp), "serve"))
-        members = tuple(
-            Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
-            for node_id, worker in zip(ids, workers, strict=True)
-        )
         tcp_port = sender.read(WORKER_START_S)["tcp"]
-        for wire_dtype in WIRE_DTYPES:
-            size = encoded_size(wire_dtype, numel)
-            seconds, raw, replies = [], [], []
-            for r in range(rounds):
-                raw.append(raw_receive(tcp_port, size, None)[0])
+        samples: dict[str, list[dict[str, Any]]] = {}
+        for r in range(rounds + 1):  # round 0 warms up every engine and dtype
+            _sample_gloo(glooers, numel, r, samples)
+            for wire_dtype in BENCH_DTYPES:
+                raw = raw_receive(tcp_port, encoded_size(wire_dtype, numel), None)[0]
                 spec = GroupSpec("bench", r, f"{wire_dtype}-{r}", members, wire_dtype, ROUND_TIMEOUT_S)
                 replies = _one_round(workers, spec, numel)
-                seconds.append(max(reply["seconds"] for reply in replies))
-            _report(result, wire_dtype, size, nodes, seconds, raw, replies)
+                if r > 0:
+                    samples.setdefault(wire_dtype, []).append({"raw": raw, "replies": replies})
+    _report_gloo(result, samples)
+    for wire_dtype in BENCH_DTYPES:
+        _report(result, wire_dtype, encoded_size(wire_dtype, numel), nodes, samples[wire_dtype])
+    _report_anchor(result, samples)
     return result
+
+
+def _butterfly_members(
+    tmp: Path, children: contextlib.ExitStack, nodes: int
+) -> tuple[tuple[Member, ...], list[Worker]]:
+    ids = [hashlib.sha256(f"bench-member-{k}".encode()).hexdigest()[:40] for k in range(nodes)]
+    workers = [children.enter_context(Worker(tmp, "average", node_id)) for node_id in ids]
+    members = tuple(
+        Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
+        for node_id, worker in zip(ids, workers, strict=True)
+    )
+    return members, workers
+
+
+def _gloo_members(tmp: Path, children: contextlib.ExitStack, nodes: int) -> list[Worker]:
+    port = free_port()
+    glooers = [
+        children.enter_context(Worker(tmp, "gloo", str(k), str(nodes), str(port))) for k in range(nodes)
+    ]
+    for worker in glooers:
+        worker.read(WORKER_START_S)
+    return glooers
+
+
+def _sample_gloo(glooers: list[Worker], numel: int, r: int, samples: dict[str, list[dict[str, Any]]]) -> None:
+    """One gloo `all_reduce` per dtype, its time the slowest rank's (round 0: warm-up, not kept)."""
+    for dtype in GLOO_DTYPES:
+        for k, worker in enumerate(glooers):
+            worker.ask({"numel": numel, "seed": k, "dtype": dtype}, ROUND_TIMEOUT_S)
+        for worker in glooers:
+            worker.send({"go": True})
+        replies = [worker.read(ROUND_TIMEOUT_S) for worker in glooers]
+        if r > 0:
+            samples.setdefault(f"gloo {dtype}", []).append(
+                {"seconds": max(reply["seconds"] for reply in replies), "cpu_s": _mean_cpu(replies)}
+            )
 
 
 def _param_count(preset_name: str) -> int:
@@ -160,29 +207,65 @@ def _one_round(workers: list[Worker], spec: GroupSpec, numel: int) -> list[dict[
 
 
 def _report(
-    result: BenchResult,
-    wire_dtype: str,
-    size: int,
-    nodes: int,
-    seconds: list[float],
-    raw: list[float],
-    replies: list[dict[str, Any]],
+    result: BenchResult, wire_dtype: str, size: int, nodes: int, samples: list[dict[str, Any]]
 ) -> None:
     share = 2 * (nodes - 1) / nodes
-    bound = share * min(raw)
-    coverage = min(reply["coverage"] for reply in replies)
-    sent = sum(reply["bytes_sent"] for reply in replies) / len(replies)
+    seconds = [max(reply["seconds"] for reply in sample["replies"]) for sample in samples]
+    bound = share * size / max(size / sample["raw"] for sample in samples)
+    coverage = min(reply["coverage"] for sample in samples for reply in sample["replies"])
+    last = samples[-1]["replies"]
+    sent = sum(reply["bytes_sent"] for reply in last) / len(last)
     result.add(
         f"all-reduce {wire_dtype}",
-        min(seconds) * 1e3,
+        median(seconds) * 1e3,
         "ms",
-        f"best of {len(seconds)}, median {median(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}",
+        f"median of {len(seconds)}, best {min(seconds) * 1e3:.0f} ms; coverage {coverage:.2f}",
     )
+    cpu = median([_mean_cpu(sample["replies"]) for sample in samples])
+    result.add(f"  where the time went, {wire_dtype}", cpu * 1e3, "ms CPU", _phases_note(samples))
     result.add(
         f"raw TCP of the {wire_dtype} bytes",
-        size / min(raw) / 1e9,
+        size / min(sample["raw"] for sample in samples) / 1e9,
         "GB/s",
         f"{size / 1e6:.1f} MB; butterfly bound {bound * 1e3:.1f} ms",
     )
     result.add(f"bytes sent per member, {wire_dtype}", sent / (share * size), "x bound", "2(N-1)/N x bytes")
-    result.ratio(f"all-reduce {wire_dtype} / butterfly bound", min(seconds) / bound, "target ≤ 1.5")
+    result.ratio(f"all-reduce {wire_dtype} / butterfly bound", median(seconds) / bound, "medians")
+
+
+def _phases_note(samples: list[dict[str, Any]]) -> str:
+    """The slowest member's phases (median over rounds): when its parts were encoded, sent, its own part
+    reduced, the results in, and Δ assembled, each since the all-reduce began."""
+    phases: dict[str, list[float]] = {}
+    for sample in samples:
+        slowest = max(sample["replies"], key=lambda reply: reply["seconds"])
+        for name, at in slowest["phases"].items():
+            phases.setdefault(name, []).append(at)
+    marks = ", ".join(f"{name} {median(ats) * 1e3:.0f}" for name, ats in phases.items())
+    return f"per member (all threads); slowest member reached {marks} ms"
+
+
+def _mean_cpu(replies: list[dict[str, Any]]) -> float:
+    return sum(reply["cpu_s"] for reply in replies) / len(replies)
+
+
+def _report_gloo(result: BenchResult, samples: dict[str, list[dict[str, Any]]]) -> None:
+    for dtype in GLOO_DTYPES:
+        seconds = [sample["seconds"] for sample in samples[f"gloo {dtype}"]]
+        cpu = median([sample["cpu_s"] for sample in samples[f"gloo {dtype}"]])
+        result.add(
+            f"gloo all_reduce {dtype} (anchor)",
+            median(seconds) * 1e3,
+            "ms",
+            f"median of {len(seconds)}, best {min(seconds) * 1e3:.0f} ms; CPU {cpu * 1e3:.0f} ms per rank",
+        )
+
+
+def _report_anchor(result: BenchResult, samples: dict[str, list[dict[str, Any]]]) -> None:
+    gloo = median([sample["seconds"] for sample in samples["gloo fp32"]])
+    gloo_cpu = median([sample["cpu_s"] for sample in samples["gloo fp32"]])
+    for wire_dtype, target in (("fp32", "target ≤ 1.5"), ("bf16", "target < 1")):
+        ours = median([max(r["seconds"] for r in sample["replies"]) for sample in samples[wire_dtype]])
+        result.ratio(f"all-reduce {wire_dtype} / gloo fp32", ours / gloo, f"medians; {target}")
+    ours_cpu = median([_mean_cpu(sample["replies"]) for sample in samples["fp32"]])
+    result.ratio("CPU per member, fp32 / gloo fp32", ours_cpu / gloo_cpu, "medians; all threads")

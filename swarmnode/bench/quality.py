@@ -13,6 +13,11 @@ cosine to 10% of the peak) at its own peak learning rate, each side's best from 
 weakened baseline). Each side trains in a worker process with one torch thread and deterministic
 kernels (the node's settings with `--threads 1`), the sides at once. Bytes per worker: DiLoCo sends
 2 × params × 4 bytes (fp32) per outer step, DP the same per step; so DP sends H times as many.
+
+`--variants` also runs, beside blocking DiLoCo at equal tokens and the same learning rates: `overlap`,
+the overlapped outer step of `--overlap on` with each round's average landing `OVERLAP_SHARE`·H inner
+steps into the next round (`DilocoTrainer.outer_step_overlapped`), and `int4`, every Δ and every
+average through the 4-bit wire codec, as the butterfly sends them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model, configure_determinism, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.core.schedule import InnerSchedule, LrSchedule
+from swarmnode.swarm import codecs
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.procs import Worker
 
@@ -57,13 +63,26 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_LR = {"diloco": 2e-3, "dp": 4e-3, "single": 2e-3}
 
 
+OVERLAP_SHARE = 0.25
+"""Inner steps an overlapped all-reduce takes, as a share of H (a slow link's round)."""
+
+
 class Side(StrEnum):
     DILOCO = "diloco"
     DP = "dp"
     SINGLE = "single"
+    OVERLAP = "overlap"
+    INT4 = "int4"
 
 
-LABELS = {Side.DILOCO: "DiLoCo ({w} workers)", Side.DP: "sync DP ({w}× batch)", Side.SINGLE: "one worker"}
+VARIANTS = (Side.OVERLAP, Side.INT4)
+LABELS = {
+    Side.DILOCO: "DiLoCo ({w} workers)",
+    Side.DP: "sync DP ({w}× batch)",
+    Side.SINGLE: "one worker",
+    Side.OVERLAP: "DiLoCo, overlapped outer step",
+    Side.INT4: "DiLoCo, int4 wire",
+}
 
 
 @dataclass(frozen=True)
@@ -146,7 +165,13 @@ def train_side(job: SideJob) -> Curve:
     corpus = default_corpus()
     heldout = loader(corpus, 0, job.workers).heldout_batches(job.heldout_batches)
     started = time.perf_counter()
-    steps = {Side.DILOCO: _diloco_rounds, Side.DP: _data_parallel_rounds, Side.SINGLE: _single_rounds}
+    steps = {
+        Side.DILOCO: _diloco_rounds,
+        Side.DP: _data_parallel_rounds,
+        Side.SINGLE: _single_rounds,
+        Side.OVERLAP: _diloco_rounds,
+        Side.INT4: _diloco_rounds,
+    }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
         losses.append(trainer.evaluate(heldout, use_global=use_global))
@@ -170,18 +195,46 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
 
 
 def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
-    """Worker 0 before the first and after every outer step (every worker then holds the same θ_g)."""
+    """Worker 0 before the first and after every outer step (every worker then holds the same θ_g).
+    `Side.INT4`: every Δ and the average pass through the int4 codec; `Side.OVERLAP`: each round's
+    average lands `OVERLAP_SHARE`·H inner steps into the next round (the last one after the last)."""
     trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
     loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
+    wire = "int4" if job.side == Side.INT4 else "fp32"
+    overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side == Side.OVERLAP else 0
+    pending: tuple[AveragedDelta, list[torch.Tensor]] | None = None
     yield trainers[0], True
     for _ in range(job.rounds):
+        early = overlap if pending is not None else 0
         for trainer, shard_loader in zip(trainers, loaders, strict=True):
-            for _ in range(job.inner_steps):
+            for _ in range(early):
                 trainer.inner_step(shard_loader.next_batch())
-        averaged = mean_delta([t.pseudo_gradient() for t in trainers])
+        if pending is not None:
+            for trainer, delta in zip(trainers, pending[1], strict=True):
+                trainer.outer_step_overlapped(pending[0], delta)
+            yield trainers[0], True
+        for trainer, shard_loader in zip(trainers, loaders, strict=True):
+            for _ in range(job.inner_steps - early):
+                trainer.inner_step(shard_loader.next_batch())
+        deltas = [t.pseudo_gradient().clone() for t in trainers]
+        averaged = mean_delta([_through(d, wire) for d in deltas])
+        if wire != "fp32":
+            averaged = AveragedDelta(_through(averaged.delta, wire), averaged.covered, averaged.group_size)
+        if overlap:
+            pending = (averaged, deltas)
+            continue
         for trainer in trainers:
             trainer.outer_step(averaged)
         yield trainers[0], True
+    if pending is not None:
+        for trainer, delta in zip(trainers, pending[1], strict=True):
+            trainer.outer_step_overlapped(pending[0], delta)
+        yield trainers[0], True
+
+
+def _through(x: torch.Tensor, wire: str) -> torch.Tensor:
+    """`x` as a member decodes it after the wire codec (fp32: `x` itself)."""
+    return x if wire == "fp32" else codecs.decode(codecs.encode(x.contiguous(), wire), wire, x.numel())
 
 
 def mean_delta(deltas: Sequence[torch.Tensor]) -> AveragedDelta:
@@ -318,6 +371,15 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
     result.series[label] = [curve.to_dict() for curve in comparison.curves()]
 
 
+def report_variants(result: BenchResult, comparison: Comparison, log_dir: Path) -> None:
+    """The overlapped outer step and the int4 wire against blocking DiLoCo at the same flags."""
+    base = comparison.diloco
+    jobs = [replace(base.job, side=side) for side in VARIANTS]
+    for curve in run_jobs(jobs, log_dir):
+        result.add(f"quality: {curve.label} held-out loss", curve.final, "nats", f"{curve.seconds:.0f} s")
+        result.ratio(f"DiLoCo {curve.job.side} loss / DiLoCo loss", curve.final / base.final, "target ≤ 1.01")
+
+
 def bench_quality(
     preset_name: str,
     workers: int | None = None,
@@ -326,10 +388,12 @@ def bench_quality(
     plot: str | None = None,
     sweep: bool = False,
     swarm: bool = False,
+    variants: bool = False,
 ) -> BenchResult:
     """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
     `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget; `--swarm`
-    runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`)."""
+    runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`); `--variants` adds
+    the overlapped outer step and the int4 wire beside blocking DiLoCo, same learning rates."""
     if plot is not None and not plot.endswith(".png"):
         raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
     setup = Setup(
@@ -352,6 +416,8 @@ def bench_quality(
             setup, comparison = run_sweep(result, setup, Path(tmp))
         else:
             comparison = compare(setup, Path(tmp))
+        if variants:
+            report_variants(result, comparison, Path(tmp))
     report(result, comparison)
     if plot is not None:
         from swarmnode.bench.quality_plot import plot_comparison

@@ -13,8 +13,13 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 - `average NODE_ID [TRUST_MODE KEYS_DIR]`: an `AveragingServicer` on a gRPC server (see `average`).
   Says `{"grpc": port}`; a request
   `{"spec": GroupSpec dict, "numel": n, "seed": s}` makes the group known and prepares a random Δ
-  (`{"ready": true}`); `{"go": true}` runs `butterfly_allreduce` of that group and answers its seconds,
-  bytes sent and coverage.
+  (`{"ready": true}`); `{"go": true}` runs `butterfly_allreduce` of that group (on channels it
+  keeps, as a node does) and answers its seconds, bytes sent, coverage, phases and CPU seconds (all threads).
+- `gloo RANK WORLD PORT`: a member of a torch.distributed gloo group (TCP store on 127.0.0.1:PORT, rank
+  0 hosts it), the all-reduce anchor. Says `{"rank": r}` once the group is up; a request
+  `{"numel": n, "seed": s, "dtype": "fp32"|"bf16"}` prepares a random tensor (answers `{"ready": true}`);
+  `{"go": true}` waits at a barrier, then times one `all_reduce` (a sum, divided by the world size
+  afterwards, like an average) and answers its seconds and CPU seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.allreduce import AveragingServicer, GroupSpec, butterfly_allreduce
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust
 
+GLOO_TIMEOUT = timedelta(seconds=300)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -153,8 +161,8 @@ async def serve(path: Path | None) -> None:
 class Member:
     """One all-reduce member: its servicer, the group it expects next and its random Δ."""
 
-    def __init__(self, servicer: AveragingServicer) -> None:
-        self.servicer = servicer
+    def __init__(self, servicer: AveragingServicer, channels: rpc.ChannelCache) -> None:
+        self.servicer, self.channels = servicer, channels
         self.spec: GroupSpec | None = None
         self.delta = torch.empty(0)
 
@@ -167,11 +175,14 @@ class Member:
             return {"ready": self.servicer.expect(self.spec)}
         assert self.spec is not None, "go before spec"
         spec, index = self.spec, self.spec.index_of(self.servicer.node_id)
-        result = await butterfly_allreduce(self.servicer, spec, index, self.delta, 1.0)
+        cpu = time.process_time()
+        result = await butterfly_allreduce(self.servicer, spec, index, self.delta, 1.0, self.channels)
         return {
             "seconds": result.seconds,
             "bytes_sent": result.bytes_sent,
             "coverage": result.averaged.coverage,
+            "phases": dict(result.phases),
+            "cpu_s": time.process_time() - cpu,
         }
 
 
@@ -200,10 +211,51 @@ async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = N
         security=security,
     )
     say({"grpc": server.port})
+    channels = rpc.ChannelCache()  # reused across rounds, as a node reuses them
     try:
-        await answer_requests(Member(servicer).handle)
+        await answer_requests(Member(servicer, channels).handle)
     finally:
+        await channels.close()
         await server.stop(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# gloo
+
+
+class GlooMember:
+    """One rank of the gloo anchor: its tensor and the timed `all_reduce`."""
+
+    def __init__(self) -> None:
+        self.tensor = torch.empty(0)
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        if "numel" in request:
+            generator = torch.Generator().manual_seed(int(request["seed"]))
+            values = torch.randn(int(request["numel"]), generator=generator)
+            self.tensor = values.to(torch.bfloat16) if request.get("dtype") == "bf16" else values
+            return {"ready": True}
+        dist.barrier()
+        started, cpu = time.perf_counter(), time.process_time()
+        dist.all_reduce(self.tensor)
+        self.tensor.div_(dist.get_world_size())
+        return {"seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
+
+
+async def gloo(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as the butterfly's members: they share the machine's cores
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=GLOO_TIMEOUT
+    )
+    say({"rank": rank})
+    try:
+        await answer_requests(GlooMember().handle)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,6 +279,8 @@ def main(argv: list[str]) -> None:
         asyncio.run(serve(Path(args[0]) if args else None))
     elif role == "average":
         asyncio.run(average(args[0], *args[1:2], *(Path(a) for a in args[2:3])))
+    elif role == "gloo":
+        asyncio.run(gloo(int(args[0]), int(args[1]), int(args[2])))
     elif role == "quality":
         asyncio.run(quality())
     elif role == "bare-train":

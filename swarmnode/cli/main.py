@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality: real `swarmnode run` nodes on loopback against the simulated DiLoCo, same flags",
     )
     bench.add_argument(
+        "--variants",
+        action="store_const",
+        const=True,
+        help="quality: also the overlapped outer step and the int4 wire, against blocking DiLoCo",
+    )
+    bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
     bench.add_argument(

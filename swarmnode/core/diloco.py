@@ -162,12 +162,7 @@ class DilocoTrainer:
         nesterov=True, dampening 0), then θ ← θ_g there — except on `carried` ranges, where
         θ ← θ_g − Δ (Δ: this round's `pseudo_gradient()`), so the work the average left out stays in
         the next Δ; uncovered ranges keep θ and θ_g as they are."""
-        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
-        for a, b in averaged.covered:
-            grad, buf = averaged.delta[a:b], self.outer_momentum[a:b]
-            buf.mul_(mu).add_(grad)
-            self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
-        self._global_digest = None
+        self.outer_step_on_global(averaged)
         if not averaged.carried:
             self._copy_to_local(self.global_flat, averaged.covered)
             return
@@ -175,6 +170,39 @@ class DilocoTrainer:
         for a, b in averaged.carried:
             target[a:b].sub_(self._delta[a:b])
         self._copy_to_local(target, averaged.covered)
+
+    @torch.no_grad()
+    def outer_step_overlapped(self, averaged: AveragedDelta, delta: torch.Tensor) -> None:
+        """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
+        overlapped outer step). `delta` is the round's Δ_r = θ_g − θ_r (θ_r: the local params when the
+        round ended); θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as in
+        `outer_step`, and θ is moved as blocking DiLoCo would have moved θ_r, keeping δ:
+            θ ← θ + (θ_g' − θ_g) + Δ_r   on covered ranges whose average holds our Δ (θ = θ_g' + δ),
+            θ ← θ + (θ_g' − θ_g)         on carried ranges (θ_g' − Δ_r + δ: our work stays local),
+            θ unchanged                  elsewhere (θ_g' = θ_g there).
+        With δ = 0 this is exactly `outer_step`. δ's batches are the next round's: its Δ carries them."""
+        shift = self.global_flat.clone()
+        self.outer_step_on_global(averaged)
+        shift.neg_().add_(self.global_flat)
+        for a, b in averaged.covered:
+            shift[a:b].add_(delta[a:b])
+        for a, b in averaged.carried:
+            shift[a:b].sub_(delta[a:b])
+        self._add_to_local(shift)
+
+    @torch.no_grad()
+    def outer_step_on_global(self, averaged: AveragedDelta) -> None:
+        """Nesterov SGD on θ_g (and its momentum) over the covered ranges; θ is left alone."""
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for a, b in averaged.covered:
+            grad, buf = averaged.delta[a:b], self.outer_momentum[a:b]
+            buf.mul_(mu).add_(grad)
+            self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
+        self._global_digest = None
+
+    def _add_to_local(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.slots, self.params, strict=True):
+            p.data.view(-1).add_(flat[slot.offset : slot.offset + slot.numel])
 
     def global_changed(self) -> None:
         """θ_g was modified in place from outside (tests): drop the cached digest."""

@@ -93,6 +93,10 @@ class RoundStart:
     global_digest: str
     in_swarm: bool
     """Whether the lineage holds other nodes' work (a round without a group is then held)."""
+    steps: int = 0
+    """Inner steps in the round when it ended (an overlapped outer step leaves later ones to the next)."""
+    tokens: int = 0
+    """`round_tokens` when it ended."""
 
 
 def _point(cursor: dict[str, int]) -> tuple[int, int, int]:
@@ -237,6 +241,8 @@ class TrainingRun:
             float(p.round_tokens),
             self.trainer.global_digest(),
             in_swarm,
+            p.round_step,
+            p.round_tokens,
         )
 
     def apply_outer(
@@ -244,23 +250,29 @@ class TrainingRun:
         averaged: AveragedDelta,
         round_cursors: dict[str, dict[str, int]],
         round_info: dict[str, Any] | None = None,
+        overlapped: RoundStart | None = None,
     ) -> str:
         """The outer step, then a new round; the held-out loss of the new global params is measured.
         A step that applied nothing (coverage below --min-coverage), or whose average left this node's
         own Δ out of a part (`averaged.carried`), leaves the round's work as local progress: its tokens
         weigh in the next Δ and the committed cursor stays where it was. `round_cursors` are the
         cursors of the members whose batches the step holds. Returns the new global digest (hashed
-        here, off the event loop)."""
+        here, off the event loop). `overlapped`: the round's start, when inner steps went on while its
+        all-reduce ran (`DilocoTrainer.outer_step_overlapped`): those steps and their tokens stay in
+        the new round, and the committed cursor moves only to where the averaged round ended."""
         assert_training_thread("an outer step")
-        self.trainer.outer_step(averaged)
+        if overlapped is None:
+            self.trainer.outer_step(averaged)
+        else:
+            self.trainer.outer_step_overlapped(averaged, overlapped.delta)
         p = self.progress
         p.outer_step += 1
-        p.round_step = 0
+        p.round_step = p.round_step - overlapped.steps if overlapped is not None else 0
         if averaged.covered:
             p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
         if averaged.covered and not averaged.carried:
-            p.round_tokens = 0
-            p.committed_cursor = self.loader.state_dict()
+            p.round_tokens = p.round_tokens - overlapped.tokens if overlapped is not None else 0
+            p.committed_cursor = dict(overlapped.end) if overlapped is not None else self.loader.state_dict()
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()

@@ -45,7 +45,11 @@ _COMMON_OPTIONS = [
 ]
 SERVER_OPTIONS = [
     *_COMMON_OPTIONS,
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    # Peers' keepalive pings (every 30 s) are welcome: at gRPC's default (5 min) the third ping is a
+    # strike and the server sends GOAWAY "too_many_pings", failing the calls in flight on that
+    # connection (it cost an all-reduce part about once a minute on cached channels). The argument's
+    # name is gRPC's `GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS`.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.so_reuseport", 0),  # gRPC's default lets a second process bind the port and take half the calls
 ]
 _RECONNECT_OPTIONS = [
@@ -55,7 +59,7 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-_CLIENT_OPTIONS = [*_COMMON_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.enable_retries", 0)]
+CLIENT_OPTIONS = [*_COMMON_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.enable_retries", 0)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,8 +260,8 @@ def open_channel(address: str) -> grpc.aio.Channel:
     interceptors = credential_interceptors(security) or None
     credentials = security.channel_credentials()
     if credentials is None:
-        return grpc.aio.insecure_channel(target, options=_CLIENT_OPTIONS, interceptors=interceptors)
-    return grpc.aio.secure_channel(target, credentials, options=_CLIENT_OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=CLIENT_OPTIONS, interceptors=interceptors)
 
 
 class ChannelCache:

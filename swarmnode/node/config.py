@@ -83,6 +83,7 @@ class NodeConfig:
     min_coverage: float = 0.5
     reachable: str = "auto"
     group_size: int = DEFAULT_GROUP_SIZE
+    overlap: str = "off"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -268,6 +269,9 @@ class Flag:
         return "SWARMNODE_" + self.option[2:].replace("-", "_").upper()
 
 
+OVERLAP_CHOICES = ("off", "on")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -418,6 +422,13 @@ FLAGS: tuple[Flag, ...] = (
         _group_size,
         "most members of one averaging group: a round this node leads with more members averages in "
         "groups of this size, then among their leaders (an exact two-level average)",
+    ),
+    Flag(
+        "overlap",
+        _choice(OVERLAP_CHOICES),
+        "on: a round's all-reduce runs while the next inner phase trains, its outer step applied when "
+        "it arrives (README: overlapped outer step)",
+        choices=OVERLAP_CHOICES,
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),

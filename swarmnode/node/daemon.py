@@ -23,11 +23,12 @@ from swarmnode.core.data import ShardLoader, shard_for_node
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
-from swarmnode.core.training import RunIdentity, TrainingRun, TrainingSample, run_digest
+from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, TrainingSample, run_digest
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
+from swarmnode.node.overlap import OverlappedRounds
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
 from swarmnode.node.startup import lock_data_dir, preflight
@@ -203,6 +204,9 @@ class Node:
         self._pending_receipt: Receipt | None = None
         self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self._duplicate: DuplicateIdentity | None = None
+        self.round_in_flight = False  # --overlap: a round's all-reduce runs beside the inner phase
+        self.snapshot_due = False  # a hot snapshot fell due while a round was in flight
+        self.extra_stop: threading.Event | None = None  # ends the current inner phase too
         self.membership = Membership(
             services.dht,
             parts.dht_run,
@@ -269,6 +273,8 @@ class Node:
         if not self._stop.is_set():
             logger.info("stop requested: finishing the current step")
         self._stop.set()
+        if self.extra_stop is not None:
+            self.extra_stop.set()
 
     def _install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -279,6 +285,9 @@ class Node:
         return self._stop.is_set() or (limit is not None and self.run_state.sample.outer_step >= limit)
 
     async def _round_loop(self) -> None:
+        if self.cfg.overlap == "on":
+            await OverlappedRounds(self).run()
+            return
         last: RoundResult | None = None
         while not self._finished():
             self.board.phase = phase_before_round(last)
@@ -308,9 +317,11 @@ class Node:
                 self._open_round = None
             return None
 
-    def _inner_phase(self, stop: threading.Event | None = None) -> None:
+    def _inner_phase(self, stop: threading.Event | None = None, counted_steps: int = 0) -> None:
+        """`counted_steps`: steps of a round in flight that still count in the round (--overlap)."""
         deadline = time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
-        self.run_state.inner_phase(self.cfg.inner_steps, deadline, stop or self._stop, self._after_inner_step)
+        max_steps = self.cfg.inner_steps + counted_steps
+        self.run_state.inner_phase(max_steps, deadline, stop or self._stop, self._after_inner_step)
 
     async def _rejoin_phase(self) -> None:
         """A repaired node adopted a round the swarm is training: it trains that round only until the
@@ -344,15 +355,30 @@ class Node:
             self._pending_receipt.first_loss_after = sample.last_loss
             self._write_receipt(self._pending_receipt)
             self._pending_receipt = None
+        if self.round_in_flight:
+            faults.hit("overlap_step")
         if sample.inner_step % self.cfg.hot_every == 0:
+            if self.round_in_flight:  # only where no round is in flight: see `overlap.py`
+                self.snapshot_due = True
+                return
             self._snapshot("hot")
 
     async def _outer_step(self) -> RoundResult:
+        start = await self._begin_round()
+        result = await self._average_round(start)
+        return await self._finish_round(start, result)
+
+    async def _begin_round(self) -> RoundStart:
+        """The round's Δ, range and weight (on the training thread), its range opened in the ledger."""
         run = self.run_state
         start = await self.training.run(run.prepare_round)
         stats = _stats(run.sample)
         await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
         self._open_round = start.outer_step
+        return start
+
+    async def _average_round(self, start: RoundStart) -> RoundResult:
+        """Matchmaking and the all-reduce of the round's Δ (on the event loop; Δ stays unchanged)."""
         expected = await self.membership.expected_peers(start.outer_step)
         result = await self.rounds.average(
             start.delta,
@@ -364,6 +390,14 @@ class Node:
             in_swarm=start.in_swarm,
         )
         self.board.last_round = result
+        return result
+
+    async def _finish_round(
+        self, start: RoundStart, result: RoundResult, overlapped: bool = False
+    ) -> RoundResult:
+        """Applies the round's outer step (or records why not) and settles its ledger range;
+        `overlapped`: inner steps went on since `start` (`TrainingRun.apply_outer`)."""
+        run = self.run_state
         if result.averaged is None:
             status = RoundStatus.HELD if result.held else RoundStatus.DROPPED
             await asyncio.to_thread(
@@ -371,7 +405,9 @@ class Node:
             )
             self._open_round = None
             return result
-        digest = await self.training.run(run.apply_outer, result.averaged, result.cursors, result.info())
+        digest = await self.training.run(
+            run.apply_outer, result.averaged, result.cursors, result.info(), start if overlapped else None
+        )
         if await faults.ahit("global_params", start.outer_step + 1) is not None:  # test-only: go astray
             digest = await self.training.run(run.nudge_global)
         await asyncio.to_thread(self._settle, start.outer_step, result, digest)

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import tenacity
 import torch
+from google.protobuf.message import DecodeError
 
 from swarmnode.core.diloco import AveragedDelta, Range
 from swarmnode.net import rpc
@@ -67,6 +68,10 @@ class AllReduceResult:
     seconds: float
     included: tuple[frozenset[int], ...]
     """Per part: the members whose contributions were averaged into it (none: the part is not covered)."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """Seconds since the all-reduce began at which this member reached each phase, in order: `encoded`
+    (its parts' images made), `sent` (its parts handed to gRPC), `reduced` (its own part averaged),
+    `gathered` (every call over), `assembled` (Δ built). Where the time goes, for benches and logs."""
 
     @property
     def contributors(self) -> tuple[int, ...]:
@@ -81,8 +86,8 @@ class AllReduceResult:
         return frozenset.intersection(*covered) if covered else frozenset()
 
 
-_Part = tuple[torch.Tensor, frozenset[int]]
-"""A part's averaged values and the members whose contributions they average."""
+_Part = frozenset[int]
+"""The members whose contributions a part's average (which lies in `_Butterfly.out`) holds."""
 
 
 async def _wait_until(event: asyncio.Event, when: float) -> None:
@@ -142,21 +147,30 @@ class _Butterfly:
         self.images: dict[int, memoryview] = {}
         self.signatures: dict[int, list[bytes]] = {}
         """Per part sent: one signature per chunk (none with mutual TLS: the connection says who)."""
+        self.out = torch.empty(delta.numel(), dtype=torch.float32)
+        """The averaged Δ: each part's average is decoded (fp32: received) straight into its range."""
         self.parts: dict[int, _Part] = {}
         """The parts whose average arrived whole."""
+        self.decodes: list[asyncio.Future[Any]] = []
         self.bytes_sent, self.parts_out = 0, 0
         self.sends_over: set[int] = set()
         self.sends_done = asyncio.Event()
         if not self.peers:  # the only reducer (every other member a client): nothing to send
             self.sends_done.set()
+        self.started = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def _mark(self, phase: str) -> None:
+        self.phases.setdefault(phase, time.monotonic() - self.started)
 
     async def run(self) -> AllReduceResult:
-        started = time.monotonic()
+        started = self.started = time.monotonic()
         rnd = self.servicer.begin(self.spec, self.me, self.delta, self.weight)
         tasks: list[asyncio.Task[None]] = []
         try:
             self.images = await asyncio.to_thread(self._encode_parts)
             self.signatures = await asyncio.to_thread(self._sign_parts)
+            self._mark("encoded")
             await faults.ahit("allreduce_send")  # before the first part
             tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
             if self.spec.reduces(self.me):
@@ -164,13 +178,15 @@ class _Butterfly:
             await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
         finally:
             await settle(*tasks)
+            await asyncio.gather(*self.decodes, return_exceptions=True)
             self.servicer.end(rnd)
+        self._mark("gathered")
         averaged = await asyncio.to_thread(self._assemble)
-        included = tuple(
-            self.parts[k][1] if k in self.parts else frozenset() for k in range(len(self.spec.members))
-        )
+        self._mark("assembled")
+        included = tuple(self.parts.get(k, frozenset()) for k in range(len(self.spec.members)))
         seconds = time.monotonic() - started
-        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, included)
+        phases = tuple(self.phases.items())
+        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, included, phases)
         logger.info(
             "group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
             *(self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members)),
@@ -192,16 +208,18 @@ class _Butterfly:
         return {k: trust.sign_chunks(self.spec, k, wire.chunks(image)) for k, image in self.images.items()}
 
     def _assemble(self) -> AveragedDelta:
-        n = self.delta.numel()
-        out = torch.zeros(n, dtype=torch.float32)
+        """The averaged Δ in `out`: zeros where no whole average arrived (a result cut short may have
+        left part of its values there)."""
+        n, out = self.delta.numel(), self.out
         covered: list[Range] = []
         carried: list[Range] = []
-        for k in sorted(self.parts):
-            values, members = self.parts[k]
+        for k in range(len(self.spec.members)):
             lo, hi = self.spec.part_range(k, n)
-            out[lo:hi].copy_(values)
+            if k not in self.parts:
+                out[lo:hi].zero_()
+                continue
             _extend(covered, lo, hi)
-            if self.me not in members:  # our own Δ is not in this average: keep it as local progress
+            if self.me not in self.parts[k]:  # our own Δ is not in this average: keep it as local progress
                 _extend(carried, lo, hi)
         return AveragedDelta(out, tuple(covered), len(self.spec.members), tuple(carried))
 
@@ -212,10 +230,12 @@ class _Butterfly:
         await _wait_until(self.sends_done, self.collect_deadline)
         averaged = await rnd.reduce(self.spec.wire_dtype, self.servicer.max_norm_ratio)
         self.servicer.report_exclusions(self.spec, averaged)
+        self._mark("reduced")
         await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
         if averaged.values is not None:
-            self.parts[self.me] = (averaged.values, frozenset(averaged.included))
+            self.out[slice(*self.spec.part_range(self.me, self.delta.numel()))].copy_(averaged.values)
+            self.parts[self.me] = frozenset(averaged.included)
         if averaged.contributors < len(self.spec.members):
             logger.warning(
                 "group %s: part %d averages %d of %d members",
@@ -259,6 +279,9 @@ class _Butterfly:
                 with attempt:
                     return await self._one_call(channel, k)
         except grpc.aio.AioRpcError as exc:
+            logger.info(
+                "group %s: member %d answered %s: %s", self.spec.group_id, k, exc.code(), exc.details()
+            )
             return exc.code()
         raise AssertionError("tenacity ends with a result or the last error")
 
@@ -266,7 +289,7 @@ class _Butterfly:
         call = channel.stream_stream(
             EXCHANGE_METHOD,
             request_serializer=rpc.serialize,
-            response_deserializer=pb.AveragedPart.FromString,
+            response_deserializer=None,  # raw bytes: chunks are parsed in place (`wire.take_chunk`)
         )()
         writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
         try:
@@ -300,31 +323,51 @@ class _Butterfly:
     def _send_over(self, k: int) -> None:
         self.sends_over.add(k)
         if len(self.sends_over) == len(self.peers):
+            self._mark("sent")
             self.sends_done.set()
 
     async def _read_result(self, call: Any, k: int) -> _Part | None:
         """Part k's average from its reducer; None if it is not averaged, cut short or malformed."""
         lo, hi = self.spec.part_range(k, self.delta.numel())
-        first = await call.read()
-        if first is _EOF or not first.HasField("header"):
+        h = _result_header(await call.read())
+        if h is None:
             return None
-        h = first.header
         included = _included(h.included, len(self.spec.members))
         if not included or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:
             return None
-        image = bytearray(codecs.encoded_size(self.spec.wire_dtype, hi - lo))
+        # fp32: the image is the values, so it lands in `out` itself; others decode into it.
+        fp32 = self.spec.wire_dtype == "fp32"
+        size = codecs.encoded_size(h.wire_dtype, hi - lo)
+        image = codecs.writable_image(self.out[lo:hi]) if fp32 else bytearray(size)
         got = 0
         while got < len(image):
             msg = await call.read()
             if msg is _EOF:
                 return None
             try:
-                got += wire.take_chunk(msg, image, got)
+                got += wire.take_chunk(msg, image, got, pb.AveragedPart)[0]
             except ValueError as exc:
                 logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
                 return None
-        values = await asyncio.to_thread(codecs.decode, image, self.spec.wire_dtype, hi - lo)
-        return values, included
+        if not fp32:
+            # Shielded: a decode cannot be stopped, so `run` waits for it before it assembles `out`.
+            decoding = asyncio.ensure_future(
+                asyncio.to_thread(codecs.decode, image, h.wire_dtype, hi - lo, self.out[lo:hi])
+            )
+            self.decodes.append(decoding)
+            await asyncio.shield(decoding)
+        return included
+
+
+def _result_header(first: Any) -> pb.AveragedHeader | None:
+    """The header of a result's first message (raw bytes); None if the call ended or it is not one."""
+    if first is _EOF:
+        return None
+    try:
+        msg = pb.AveragedPart.FromString(first)
+    except DecodeError:
+        return None
+    return msg.header if msg.HasField("header") else None
 
 
 def _extend(ranges: list[Range], lo: int, hi: int) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from swarmnode.net import rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
@@ -230,15 +231,13 @@ class _PartRound:
                 self.open.discard(sender)
                 self.give_up(sender)
                 return
-            if not isinstance(msg, pb.Contribution):  # undecodable (security.UNDECODABLE)
-                raise _invalid("a contribution message does not decode")
             try:
-                size = wire.take_chunk(msg, image, got)
+                size, signature = wire.take_chunk(msg, image, got, pb.Contribution)
             except ValueError as exc:
                 raise _Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, AveragingReject.CHUNK_ORDER, str(exc)
                 ) from None
-            if not trust.chunk_ok(h, self.spec, index, msg):
+            if not trust.chunk_ok(h, self.spec, index, memoryview(image)[got : got + size], signature):
                 raise _denied(
                     AveragingReject.BAD_SIGNATURE, f"chunk {index} of member {sender}: bad signature"
                 )
@@ -302,7 +301,7 @@ def average(
     decoded: list[tuple[int, float, torch.Tensor]] = []
     for index, weight, data in contributions:
         if weight > 0:
-            values = data if isinstance(data, torch.Tensor) else codecs.decode(data, wire_dtype, n)
+            values = data if isinstance(data, torch.Tensor) else codecs.wire_values(data, wire_dtype, n)
             decoded.append((index, weight, values))
     kept, excluded = robust_filter(decoded, max_norm_ratio)
     if not kept:
@@ -328,9 +327,9 @@ def robust_filter(
     lower median of the finite norms (with two members, the smaller: one honest member is enough to
     screen the other). Returns the kept contributions and the left-out ones' indices and reasons."""
     if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
-        kept = [c for c in contributions if bool(torch.isfinite(c[2]).all())]
+        kept = [c for c in contributions if _finite(c[2])]
         return kept, tuple((c[0], Exclusion.NONFINITE) for c in contributions if c not in kept)
-    norms = [float(torch.linalg.vector_norm(values)) for _, _, values in contributions]
+    norms = [float(torch.linalg.vector_norm(values, dtype=torch.float32)) for _, _, values in contributions]
     finite = sorted(x for x in norms if math.isfinite(x))
     bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
     kept: _Weighted = []
@@ -343,6 +342,12 @@ def robust_filter(
         else:
             kept.append(contribution)
     return kept, tuple(excluded)
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite. A sum is NaN or ±inf if any value is, and is 10-15x cheaper than
+    `isfinite` (measured here); only a sum that overflowed from finite values needs the full check."""
+    return bool(values.sum().isfinite()) or bool(torch.isfinite(values).all())
 
 
 class AveragingServicer:
@@ -384,7 +389,7 @@ class AveragingServicer:
             ),
             "Exchange": grpc.stream_stream_rpc_method_handler(
                 self.Exchange,
-                request_deserializer=pb.Contribution.FromString,
+                request_deserializer=None,  # raw bytes: chunks are parsed in place (`wire.take_chunk`)
                 response_serializer=rpc.serialize,
             ),
             "AwaitGroup": grpc.unary_unary_rpc_method_handler(
@@ -540,9 +545,13 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
             msg = await context.read()
     except TimeoutError:
         raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "invalid", "no header in time") from None
-    if not isinstance(msg, pb.Contribution) or not msg.HasField("header") or msg.data:
+    try:
+        first = pb.Contribution.FromString(msg) if isinstance(msg, bytes) else None
+    except DecodeError:
+        first = None
+    if first is None or not first.HasField("header") or first.data:
         raise _invalid("the first message must carry the header and no data")
-    return msg.header
+    return first.header
 
 
 async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged) -> None:

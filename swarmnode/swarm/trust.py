@@ -143,12 +143,19 @@ class AveragingTrust:
         claimed = spec.members[h.sender].node_id if h.sender < len(spec.members) else None
         return Speaker(node_id, None if node_id == claimed else AveragingReject.IMPERSONATION)
 
-    def chunk_ok(self, h: pb.ContributionHeader, spec: GroupSpec, index: int, msg: pb.Contribution) -> bool:
-        """Whether chunk `index` of a contribution carries its sender's signature (always, unless
-        chunks are signed in this swarm)."""
+    def chunk_ok(
+        self,
+        h: pb.ContributionHeader,
+        spec: GroupSpec,
+        index: int,
+        data: bytes | memoryview,
+        signature: bytes,
+    ) -> bool:
+        """Whether chunk `index` of a contribution (its `data` and `signature`) carries its sender's
+        signature (always, unless chunks are signed in this swarm)."""
         if not self.signs_chunks:
             return True
-        return verify_signature(h.public_key, msg.signature, chunk_message(spec, h.part, index, msg.data))
+        return verify_signature(h.public_key, signature, chunk_message(spec, h.part, index, data))
 
     def proposal_refusal(
         self, msg: pb.GroupProposal, spec: GroupSpec, context: Any

@@ -13,12 +13,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from swarmnode.net.rpc import CHUNK_BYTES, encode_data_chunk
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
 from swarmnode.util.validate import parse_cursor, parse_host_port
 
-WIRE_DTYPES = ("fp32", "bf16", "int8")
+WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")
 EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
 ADMITTED = (("swarmnode-admitted", "1"),)
 """Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
@@ -84,7 +86,7 @@ class GroupSpec:
     members: tuple[Member, ...]
     """Ordered; the reachable ones reduce, in this order (`part_range`)."""
     wire_dtype: str
-    """"fp32" | "bf16" | "int8"."""
+    """"fp32" | "bf16" | "int8" | "int4"."""
     timeout_s: float
     """The all-reduce's budget (--allreduce-timeout)."""
 
@@ -211,14 +213,68 @@ def chunk_messages(image: memoryview, signatures: Sequence[bytes] = ()) -> Itera
 _SIGNATURE_FIELD = b"\x22"  # field 4, length-delimited; an Ed25519 signature (64 bytes) fits one length byte
 
 
-def take_chunk(msg: pb.Contribution | pb.AveragedPart, image: bytearray, got: int) -> int:
-    """Copies a chunk that continues `image` at byte `got` into it and returns its size; ValueError
-    for anything else (a header, a gap, an overlap, an empty or oversized chunk)."""
-    data = msg.data
-    if msg.HasField("header") or msg.offset != got or not 0 < len(data) <= min(CHUNK_BYTES, len(image) - got):
-        raise ValueError(f"chunk of {len(data)} bytes at offset {msg.offset} does not continue byte {got}")
+def take_chunk(
+    raw: bytes, image: bytearray | memoryview, got: int, message_type: type[pb.Contribution | pb.AveragedPart]
+) -> tuple[int, bytes]:
+    """Copies a chunk message (`raw`, its protobuf wire bytes) that continues `image` at byte `got`
+    into it, the one copy of its data on this side; returns its size and its signature (a
+    `Contribution`'s field 4; empty if none). ValueError for anything else (a header, a gap, an
+    overlap, an empty or oversized chunk, bytes that do not decode)."""
+    offset, data, signature = chunk_fields(raw, message_type)
+    if offset != got or not 0 < len(data) <= min(CHUNK_BYTES, len(image) - got):
+        raise ValueError(f"chunk of {len(data)} bytes at offset {offset} does not continue byte {got}")
     image[got : got + len(data)] = data
-    return len(data)
+    return len(data), signature
+
+
+def chunk_fields(
+    raw: bytes, message_type: type[pb.Contribution | pb.AveragedPart]
+) -> tuple[int, memoryview, bytes]:
+    """(offset, data, signature) of a chunk message, `data` a view of `raw` (no copy) when the message
+    has the layout `chunk_messages` writes (offset, data, then the optional signature); any other
+    encoding is decoded with protobuf. ValueError for a header message or bytes that do not decode."""
+    if not isinstance(raw, bytes):
+        raise ValueError(f"a chunk message must be bytes, got {type(raw).__name__}")
+    fast = _fast_chunk_fields(raw)
+    if fast is not None:
+        return fast
+    try:
+        msg = message_type.FromString(raw)
+    except DecodeError:
+        raise ValueError("a chunk message does not decode") from None
+    if msg.HasField("header"):
+        raise ValueError("a header where a chunk was expected")
+    return msg.offset, memoryview(msg.data), bytes(getattr(msg, "signature", b""))
+
+
+def _fast_chunk_fields(raw: bytes) -> tuple[int, memoryview, bytes] | None:
+    """Field 2 (varint offset), field 3 (data), then optionally field 4 (a signature of under 128 bytes)
+    to the message's end; None for any other layout."""
+    if len(raw) < 4 or raw[0] != 0x10:
+        return None
+    offset, pos = _read_varint(raw, 1)
+    if not 0 <= pos < len(raw) or raw[pos] != 0x1A:
+        return None
+    size, pos = _read_varint(raw, pos + 1)
+    end = pos + size
+    if pos < 0 or end > len(raw):
+        return None
+    if end == len(raw):
+        return offset, memoryview(raw)[pos:end], b""
+    if raw[end : end + 1] == _SIGNATURE_FIELD and end + 2 + raw[end + 1] == len(raw) and raw[end + 1] < 0x80:
+        return offset, memoryview(raw)[pos:end], raw[end + 2 :]
+    return None
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; (0, -1) if it runs past the end or 10 bytes."""
+    value, shift = 0, 0
+    for i in range(pos, min(pos + 10, len(raw))):
+        value |= (raw[i] & 0x7F) << shift
+        if raw[i] < 0x80:
+            return value, i + 1
+        shift += 7
+    return 0, -1
 
 
 def contribution_header(

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew", "scale", "nan", "lie")
 THREAD_POINTS = (
     "inner_step",  # after each inner step (training thread)
+    "overlap_step",  # after each inner step taken while a round is in flight (--overlap on)
     "snapshot_write",  # before each snapshot write (writer thread)
     "snapshot_halfway",  # half-way through writing a snapshot, counted over both kinds
     "hot_snapshot_halfway",

@@ -199,7 +199,7 @@ def test_a_node_opens_one_channel_per_peer_across_rounds(
     assert len(opened) == (3 * 2 if cached else 3 * 3 * 2)  # 3 members x 2 peers (x 3 rounds)
 
 
-@pytest.mark.parametrize(("wire_dtype", "atol"), [("bf16", 0.05), ("int8", 0.08)])
+@pytest.mark.parametrize(("wire_dtype", "atol"), [("bf16", 0.05), ("int8", 0.08), ("int4", 1.0)])
 def test_compressed_averages_agree_bitwise_and_stay_near_fp32(wire_dtype: str, atol: float) -> None:
     n, size = 200_003, 3
     deltas, weights = random_deltas(size, n, seed=1), [1.0, 2.0, 5.0]

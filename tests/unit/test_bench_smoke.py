@@ -49,7 +49,8 @@ def test_fetch_bench_compares_grpc_with_raw_tcp() -> None:
 
 def test_allreduce_bench_reports_each_wire_dtype_against_the_bound() -> None:
     report = run_bench("allreduce", "--nodes", "3", "--rounds", "1")
-    wanted = {f"all-reduce {dtype} / butterfly bound" for dtype in ("fp32", "bf16", "int8")}
+    wanted = {f"all-reduce {dtype} / butterfly bound" for dtype in ("fp32", "bf16", "int8", "int4")}
+    wanted |= {"all-reduce fp32 / gloo fp32", "all-reduce bf16 / gloo fp32"}
     assert wanted <= set(ratios(report))
     coverage = [f["note"] for f in report["figures"] if f["name"].startswith("all-reduce ")]
     assert all("coverage 1.00" in note for note in coverage), coverage

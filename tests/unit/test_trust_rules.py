@@ -59,17 +59,14 @@ def test_a_chunk_signature_binds_group_part_index_and_bytes(group) -> None:
     signatures = sender.sign_chunks(spec, 1, data)
     header = signed_header(identities[0], spec, 0, 1)
 
-    def chunk(index: int, payload: bytes, signature: bytes) -> pb.Contribution:
-        return pb.Contribution(offset=index * 100, data=payload, signature=signature)
-
-    assert checker.chunk_ok(header, spec, 0, chunk(0, b"a" * 100, signatures[0]))
-    assert checker.chunk_ok(header, spec, 1, chunk(1, b"b" * 100, signatures[1]))
-    assert not checker.chunk_ok(header, spec, 0, chunk(0, b"c" * 100, signatures[0]))  # other bytes
-    assert not checker.chunk_ok(header, spec, 1, chunk(1, b"a" * 100, signatures[0]))  # another index
+    assert checker.chunk_ok(header, spec, 0, b"a" * 100, signatures[0])
+    assert checker.chunk_ok(header, spec, 1, b"b" * 100, signatures[1])
+    assert not checker.chunk_ok(header, spec, 0, b"c" * 100, signatures[0])  # other bytes
+    assert not checker.chunk_ok(header, spec, 1, b"a" * 100, signatures[0])  # another index
     to_part_2 = signed_header(identities[0], spec, 0, 2)  # replayed to reducer 2: another part
-    assert not checker.chunk_ok(to_part_2, spec, 0, chunk(0, b"a" * 100, signatures[0]))
+    assert not checker.chunk_ok(to_part_2, spec, 0, b"a" * 100, signatures[0])
     later = GroupSpec("run", 4, "4-group", spec.members, "fp32", 20.0)  # another round and group
-    assert not checker.chunk_ok(header, later, 0, chunk(0, b"a" * 100, signatures[0]))
+    assert not checker.chunk_ok(header, later, 0, b"a" * 100, signatures[0])
     assert sender.signs_chunks and not AveragingTrust(SenderProof.CERTIFICATE, identities[0]).signs_chunks
 
 

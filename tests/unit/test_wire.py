@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmnode.net import rpc
 from swarmnode.net.rpc import CHUNK_BYTES
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, wire
@@ -113,9 +114,45 @@ def test_chunk_messages_parse_and_reassemble_the_image(message_type: type[pb.Con
     sizes = []
     for encoded, size in wire.chunk_messages(image):
         msg = message_type.FromString(encoded)
-        got += wire.take_chunk(msg, rebuilt, got)
+        assert msg.offset == got and len(msg.data) == size  # what we write is a proper protobuf message
+        got += wire.take_chunk(encoded, rebuilt, got, message_type)[0]
         sizes.append(size)
     assert bytes(rebuilt) == bytes(image) and sizes == [CHUNK_BYTES, CHUNK_BYTES, 28]
+
+
+@pytest.mark.parametrize("offset", [0, 5, 300, 1 << 40])
+def test_a_chunk_in_our_layout_is_read_in_place(offset: int) -> None:
+    encoded = rpc.encode_data_chunk(offset, b"abcdef")
+    got_offset, data, _ = wire.chunk_fields(encoded, pb.Contribution)
+    assert (got_offset, bytes(data)) == (offset, b"abcdef") and data.obj is encoded  # a view, not a copy
+
+
+def test_a_chunk_from_another_protobuf_writer_is_read_too() -> None:
+    # protobuf omits a zero offset, and may order fields its own way: the slow path decodes those
+    zero = pb.Contribution(offset=0, data=b"xyz").SerializeToString()
+    reordered = b"\x1a\x03xyz\x10\x07"
+    fields = [wire.chunk_fields(raw, pb.Contribution) for raw in (zero, reordered)]
+    assert [(offset, bytes(data)) for offset, data, _ in fields] == [(0, b"xyz"), (7, b"xyz")]
+
+
+def test_a_signed_chunk_is_read_in_place_with_its_signature() -> None:
+    image = memoryview(codecs.encode(values(CHUNK_BYTES // 4 + 3), "fp32"))  # two chunks
+    signatures = [bytes([i]) * 64 for i in range(2)]
+    rebuilt, got = bytearray(len(image)), 0
+    for i, (encoded, _) in enumerate(wire.chunk_messages(image, signatures)):
+        assert pb.Contribution.FromString(encoded).signature == signatures[i]  # proper protobuf
+        offset, data, signature = wire.chunk_fields(encoded, pb.Contribution)
+        assert data.obj is encoded and signature == signatures[i]  # the fast path took it
+        size, signature = wire.take_chunk(encoded, rebuilt, got, pb.Contribution)
+        assert signature == signatures[i]
+        got += size
+    assert bytes(rebuilt) == bytes(image)
+
+
+@pytest.mark.parametrize("garbage", [b"\x10\xff\xff", b"\x10\x01\x1a\x09abc", b"\xff" * 12, b"", "text"])
+def test_a_chunk_that_does_not_decode_is_refused(garbage: object) -> None:
+    with pytest.raises(ValueError):
+        wire.take_chunk(garbage, bytearray(64), 0, pb.Contribution)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -124,13 +161,14 @@ def test_chunk_messages_parse_and_reassemble_the_image(message_type: type[pb.Con
 )
 def test_a_chunk_that_does_not_continue_the_image_is_refused(offset: int, size: int, image_size: int) -> None:
     with pytest.raises(ValueError, match="does not continue"):
-        wire.take_chunk(pb.Contribution(offset=offset, data=b"\0" * size), bytearray(image_size), 0)
+        raw = pb.Contribution(offset=offset, data=b"\0" * size).SerializeToString()
+        wire.take_chunk(raw, bytearray(image_size), 0, pb.Contribution)
 
 
 def test_a_chunk_with_a_header_is_refused() -> None:
     msg = pb.Contribution(header=pb.ContributionHeader(group_id="g"), offset=0, data=b"1234")
     with pytest.raises(ValueError):
-        wire.take_chunk(msg, bytearray(4), 0)
+        wire.take_chunk(msg.SerializeToString(), bytearray(4), 0, pb.Contribution)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""`--overlap on`: the outer step of round r overlaps round r+1's inner phase (README: overlapped outer
+step; Streaming DiLoCo, Douillard et al. 2025, §2.2, with a merge that keeps the overlap's progress).
+
+At the end of round r's inner phase the node takes Δ_r = θ_g − θ_r as before and starts the round's
+matchmaking and all-reduce on the event loop, while the training thread goes on with round r+1's
+inner steps from θ_r. When the average arrives, the inner phase pauses at its next step boundary and
+the outer step is applied there (`DilocoTrainer.outer_step_overlapped`):
+
+    θ_g' = θ_g − lr·(Δ̄ + μ·m'),  m' = μ·m + Δ̄           (the same Nesterov step as blocking DiLoCo)
+    θ    ← θ + (θ_g' − θ_g) + Δ_r                          (covered ranges whose average holds our Δ_r)
+
+so θ = θ_g' + δ, δ the overlap's own inner progress, which the next round's Δ carries; then the
+inner phase goes on to its H steps. Invariants:
+- one round in flight at most: round r+1's Δ is taken only after round r's step was applied, so the
+  members' digests agree after every outer step as in blocking mode;
+- the ledger: round r's range is opened when its Δ is taken and settled when its step is applied,
+  before round r+1's is opened; the overlap's batches are round r+1's (its range starts at the
+  cursor where round r ended), so none is counted twice or lost;
+- snapshots are taken only where no round is in flight: a hot snapshot that falls due during the
+  overlap waits until the step is applied (a snapshot with a round in flight would restore θ with
+  the round's work in it while the swarm's θ_g also holds it: counted twice). So a node killed
+  mid-overlap restarts from a consistent point, a round behind the swarm at most, and catches up
+  from a peer as any straggler does;
+- SIGTERM lets the round in flight finish (within --allreduce-timeout) before the final snapshot.
+A landed round that says this node is behind or astray stops the inner phase: the catch-up runs
+before any further step (the overlap's steps are then trained again from the adopted state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from swarmnode.core.ledger import RoundStatus
+from swarmnode.core.training import RoundStart
+from swarmnode.swarm.rounds import RoundResult
+
+if TYPE_CHECKING:
+    from swarmnode.node.daemon import Node
+
+logger = logging.getLogger(__name__)
+
+
+class OverlappedRounds:
+    """The round loop of a node with `--overlap on` (the blocking one is `Node._round_loop`)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.pending: asyncio.Task[tuple[RoundStart, RoundResult]] | None = None
+        self.pending_steps = 0
+        """Inner steps of the round in flight: until it lands they still count in `round_step`."""
+        self.last: RoundResult | None = None
+        self.verdict = False
+        """A landed round says this node is behind or astray: the catch-up must look before more steps."""
+
+    async def run(self) -> None:
+        node = self.node
+        from swarmnode.node.daemon import phase_before_round
+
+        try:
+            while not node._finished():
+                node.board.phase = phase_before_round(self.last)
+                self.verdict = False
+                if self.pending is None and await node._catch_up(self.last):
+                    await node._rejoin_phase()
+                else:
+                    await self._train()
+                if node._stop.is_set():
+                    break
+                if self.pending is not None:  # the inner phase ended before the average came
+                    await self._land()
+                    continue
+                if self.verdict:  # it landed mid-phase: back to the catch-up first
+                    continue
+                start = await node._begin_round()
+                self.pending = asyncio.create_task(self._average(start), name=f"round-{start.outer_step}")
+                self.pending_steps = start.steps
+                node.round_in_flight = True
+        finally:
+            if self.pending is not None:
+                await self._land()
+
+    async def _average(self, start: RoundStart) -> tuple[RoundStart, RoundResult]:
+        return start, await self.node._average_round(start)
+
+    async def _train(self) -> None:
+        """The inner phase; the round in flight is applied at the step boundary after it arrives."""
+        node = self.node
+        while True:
+            interrupt = threading.Event()
+            node.extra_stop = interrupt
+            if node._stop.is_set():
+                interrupt.set()
+            if self.pending is not None:
+                self.pending.add_done_callback(_setter(interrupt))
+            try:
+                await node.training.run(node._inner_phase, interrupt, self.pending_steps)
+            finally:
+                node.extra_stop = None
+            if self.pending is None or not self.pending.done() or node._stop.is_set():
+                return
+            await self._land()
+            if node._finished() or self.verdict:
+                return  # the catch-up decides before any further step
+
+    async def _land(self) -> None:
+        """Waits for the round in flight and applies its outer step; a failure is logged, counted and
+        survived (its work stays local progress), as in blocking mode."""
+        node, pending = self.node, self.pending
+        assert pending is not None
+        self.pending, self.pending_steps = None, 0
+        try:
+            start, result = await pending
+            self.last = await node._finish_round(start, result, overlapped=True)
+            self.verdict = self.last.missed or bool(self.last.repair_from)
+        except Exception:
+            logger.exception("overlapped round failed; its work stays local progress")
+            node.metrics.round_failures.labels("error").inc()
+            if node._open_round is not None:
+                await asyncio.to_thread(node.parts.ledger.settle, node._open_round, RoundStatus.HELD, 1, None)
+                node._open_round = None
+            self.last = None
+        finally:
+            node.round_in_flight = False
+        if node.snapshot_due:
+            node.snapshot_due = False
+            await node.training.run(node._snapshot, "hot")
+
+
+def _setter(event: threading.Event) -> Callable[[object], None]:
+    return lambda _: event.set()

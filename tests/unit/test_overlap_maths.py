@@ -1,0 +1,74 @@
+"""The overlapped outer step (DilocoTrainer.outer_step_overlapped): with no overlap progress it is the
+blocking step exactly; with progress δ it lands on θ_g' + δ where our Δ is in the average."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from swarmnode.core.data import Batch
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.model import build_model
+from swarmnode.core.presets import ModelConfig
+
+CFG = ModelConfig(n_layer=1, n_embd=32, n_head=2, context=16, vocab_size=64)
+
+
+def batch(seed: int) -> Batch:
+    x = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(seed))
+    return Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), 0, seed)
+
+
+def local(trainer: DilocoTrainer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainer.params]).clone()
+
+
+def trained() -> DilocoTrainer:
+    trainer = DilocoTrainer(build_model(CFG, 0, torch.device("cpu")), DilocoConfig(), torch.device("cpu"))
+    for seed in range(3):
+        trainer.inner_step(batch(seed))
+    return trainer
+
+
+def averaged_for(trainer: DilocoTrainer) -> AveragedDelta:
+    """A partial average: a third covered with our Δ in, a third covered without it, a third not."""
+    n = trainer.global_flat.numel()
+    other = torch.randn(n, generator=torch.Generator().manual_seed(9)) * 1e-3
+    mean = (trainer.pseudo_gradient() + other) / 2
+    mean[2 * n // 3 :] = 0
+    return AveragedDelta(mean, ((0, 2 * n // 3),), 2, carried=((n // 3, 2 * n // 3),))
+
+
+def test_without_overlap_progress_it_is_the_blocking_step_bitwise() -> None:
+    blocking = trained()
+    overlapped = copy.deepcopy(blocking)
+    averaged = averaged_for(blocking)
+    blocking.outer_step(averaged)
+    delta = overlapped.pseudo_gradient().clone()
+    overlapped.outer_step_overlapped(averaged, delta)
+    assert torch.equal(overlapped.global_flat, blocking.global_flat)
+    assert torch.equal(overlapped.outer_momentum, blocking.outer_momentum)
+    torch.testing.assert_close(local(overlapped), local(blocking), rtol=0, atol=1e-6)
+
+
+def test_the_overlaps_progress_is_kept_on_top_of_the_new_global_params() -> None:
+    trainer = trained()
+    n = trainer.global_flat.numel()
+    averaged = averaged_for(trainer)
+    delta = trainer.pseudo_gradient().clone()
+    before, theta_r = trainer.global_flat.clone(), local(trainer)
+    for seed in (10, 11):  # inner steps of the next round while the all-reduce runs
+        trainer.inner_step(batch(seed))
+    progress = local(trainer) - theta_r
+    trainer.outer_step_overlapped(averaged, delta)
+    new_global, theta = trainer.global_flat, local(trainer)
+    third, two = n // 3, 2 * n // 3
+    torch.testing.assert_close(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
+    carried = slice(third, two)  # our Δ is not in this average: it stays local work
+    torch.testing.assert_close(
+        theta[carried], new_global[carried] - delta[carried] + progress[carried], rtol=0, atol=1e-6
+    )
+    rest = slice(two, n)  # not covered: nothing moves but our own training
+    assert torch.equal(new_global[rest], before[rest])
+    torch.testing.assert_close(theta[rest], theta_r[rest] + progress[rest], rtol=0, atol=1e-6)
