@@ -278,7 +278,8 @@ def main(argv: list[str]) -> None:
     if role == "serve":
         asyncio.run(serve(Path(args[0]) if args else None))
     elif role == "average":
-        asyncio.run(average(args[0], *args[1:2], *(Path(a) for a in args[2:3])))
+        mode = args[1] if len(args) > 1 else "plain"
+        asyncio.run(average(args[0], mode, Path(args[2]) if len(args) > 2 else None))
     elif role == "gloo":
         asyncio.run(gloo(int(args[0]), int(args[1]), int(args[2])))
     elif role == "quality":

@@ -50,14 +50,21 @@ SERVER_OPTIONS = [
     # connection (it cost an all-reduce part about once a minute on cached channels). The argument's
     # name is gRPC's `GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS`.
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # A client's BDP-probe pings (sent as results stream in) came within that interval of its keepalive
+    # pings: after 2 such "strikes" the server sent GOAWAY too_many_pings and the next round's call on
+    # the cached channel failed UNAVAILABLE (seen in `bench allreduce --trust`). Strikes off.
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),  # gRPC's default lets a second process bind the port and take half the calls
 ]
 _RECONNECT_OPTIONS = [
     # A cached channel to a peer that was away (stopped, restarted, partitioned) reconnects within a
     # fraction of a round, not after gRPC's default backoff of up to two minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # gRPC takes this as the least time a connection attempt (TCP, TLS handshake, HTTP/2 SETTINGS) is
+    # given, not as a backoff: at 100 ms, TLS handshakes of a loaded machine (or of any peer more than
+    # ~50 ms away) timed out ("connection attempt timed out before receiving SETTINGS frame").
+    ("grpc.min_reconnect_backoff_ms", 5_000),
 ]
 CLIENT_OPTIONS = [*_COMMON_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.enable_retries", 0)]
 

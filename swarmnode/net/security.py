@@ -152,7 +152,7 @@ def authenticated_node_id(context: Any) -> str | None:
     or None: no mutual TLS, or a certificate of a person or script rather than a node. Only
     meaningful on a server that requires client certificates (`Security.mutual_tls`)."""
     try:
-        names = context.auth_context().get("x509_common_name") or ()
+        names: list[bytes] = list(context.auth_context().get("x509_common_name") or ())
     except (AttributeError, RuntimeError):
         return None
     name = names[0].decode("ascii", "replace") if len(names) == 1 else ""

@@ -326,14 +326,18 @@ def robust_filter(
     (NaN/Inf, or overflowing fp32) is left out; so is one whose norm is over `max_norm_ratio` × the
     lower median of the finite norms (with two members, the smaller: one honest member is enough to
     screen the other). Returns the kept contributions and the left-out ones' indices and reasons."""
+    kept: _Weighted = []
+    excluded: list[tuple[int, Exclusion]] = []
     if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
-        kept = [c for c in contributions if _finite(c[2])]
-        return kept, tuple((c[0], Exclusion.NONFINITE) for c in contributions if c not in kept)
+        for contribution in contributions:
+            if _finite(contribution[2]):
+                kept.append(contribution)
+            else:
+                excluded.append((contribution[0], Exclusion.NONFINITE))
+        return kept, tuple(excluded)
     norms = [float(torch.linalg.vector_norm(values, dtype=torch.float32)) for _, _, values in contributions]
     finite = sorted(x for x in norms if math.isfinite(x))
     bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
-    kept: _Weighted = []
-    excluded: list[tuple[int, Exclusion]] = []
     for contribution, norm in zip(contributions, norms, strict=True):
         if not math.isfinite(norm):
             excluded.append((contribution[0], Exclusion.NONFINITE))
