@@ -96,30 +96,28 @@ def report_swarm(result: BenchResult, curve: Curve, settles: list[list[dict[str,
         all(s["status"] == "applied" and s["group_size"] == job.workers for s in round_settles)
         for round_settles in zip(*settles, strict=False)
     )
-    worst, rows = 0.0, []
+    worst, rows, final = 0.0, [], [0.0]
     for r in range(1, job.rounds + 1):
-        losses = [
-            next((s["heldout_loss"] for s in node if s["outer_step"] == r - 1), None) for node in settles
-        ]
-        if any(loss is None for loss in losses):
+        found = [_heldout_after(node, r - 1) for node in settles]
+        final = [loss for loss in found if loss is not None]
+        if len(final) < len(found):
             raise ChildFailed(f"round {r - 1}: a node has no held-out loss in its ledger")
-        ratios = [loss / curve.losses[r] for loss in losses]
-        worst = max(worst, *(abs(x - 1) for x in ratios))
-        rows.append({"round": r, "simulated": curve.losses[r], "nodes": losses})
+        worst = max(worst, *(abs(loss / curve.losses[r] - 1) for loss in final))
+        rows.append({"round": r, "simulated": curve.losses[r], "nodes": final})
     setup = f"{job.workers} nodes, H={job.inner_steps}, {job.rounds} rounds, outer lr {job.outer_lr:g}"
-    final = rows[-1]["nodes"]
-    result.add("swarm: nodes' held-out loss after the last round", sum(final) / len(final), "nats", setup)
+    mean = sum(final) / len(final)
+    result.add("swarm: nodes' held-out loss after the last round", mean, "nats", setup)
     result.add("swarm: simulated DiLoCo, same flags", curve.final, "nats", f"{curve.seconds:.0f} s")
     result.add("swarm: rounds every node averaged with all", whole, "rounds", f"of {job.rounds}")
-    result.add(
-        "swarm vs simulation: worst |ratio − 1|", worst, "", f"any node, any round; target ≤ {TOLERANCE}"
-    )
-    result.ratio("swarm / simulation held-out loss", sum(final) / len(final) / curve.final, "last round")
+    target = f"any node, any round; target ≤ {TOLERANCE}"
+    result.add("swarm vs simulation: worst |ratio − 1|", worst, "", target)
+    result.ratio("swarm / simulation held-out loss", mean / curve.final, "last round")
     result.series["swarm"] = rows
 
 
 def _heldout_after(settles: list[dict[str, Any]], outer_step: int) -> float | None:
-    return next((s["heldout_loss"] for s in settles if s["outer_step"] == outer_step), None)
+    found = (s["heldout_loss"] for s in settles if s["outer_step"] == outer_step)
+    return next((float(loss) for loss in found if loss is not None), None)
 
 
 def bench_swarm(result: BenchResult, setup: Setup, log_dir: Path) -> None:

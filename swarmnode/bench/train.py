@@ -38,6 +38,12 @@ SEQ_LEN = 128
 NODE_HOT_EVERY = 50
 TIMEOUT_S = 900.0
 TOKENS = BATCH_SIZE * SEQ_LEN
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""OpenMP settings of both the node and the bare loop. By default libgomp's idle workers spin, and how
+long depends on how many OpenMP threads the process runs: the node (several threads use torch, so
+more OpenMP threads than cores) spins less than a bare loop (one team); on a loaded machine a spinning
+worker burns its process's share of the CPU, so the bare loop was the slower one (node / bare 1.3-1.7).
+Measured side by side here under load, the same loop made 0.57 steps/s spinning and 2.59 passive."""
 PROGRESS_S = 0.1
 """The node's progress interval: when each window ends is known to within this."""
 
@@ -82,9 +88,12 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
     ]
     node_rates, bare_rates = [], []
     bare_args = (preset_name, str(threads), str(window))
-    with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Worker(Path(tmp), "bare-train", *bare_args, env=THREAD_ENV) as worker,
+    ):
         worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
-        with NodeProcess(Path(tmp) / "node", args) as node:
+        with NodeProcess(Path(tmp) / "node", args, env=THREAD_ENV) as node:
             progress, bare = ProgressTail(node), BareLoop(worker)
             start = progress.wait_for(window)
             for k in range(2, windows + 2):

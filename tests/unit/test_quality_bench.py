@@ -93,3 +93,22 @@ def test_swarm_nodes_get_the_simulated_workers_settings() -> None:
     assert (cfg.shard, cfg.num_shards, cfg.inner_steps, cfg.max_outer_steps) == (2, 4, 25, 6)
     assert (cfg.batch_size, cfg.seq_len, cfg.seed, cfg.threads) == (quality.BATCH_SIZE, quality.SEQ_LEN, 0, 1)
     assert cfg.wire_dtype == "fp32" and cfg.model == job.model
+
+
+def test_swarm_report_finds_the_worst_node_round_and_partial_groups() -> None:
+    from swarmnode.bench.swarm_quality import report_swarm
+
+    job = Setup(workers=2, inner_steps=5, rounds=2).job(Side.DILOCO)
+    curve = Curve(job, (0, 1, 2), (5.0, 3.0, 2.0), 1.0, 100)
+    settles = [
+        [{"outer_step": 0, "status": "applied", "group_size": 2, "heldout_loss": 3.0},
+         {"outer_step": 1, "status": "applied", "group_size": 2, "heldout_loss": 2.0}],
+        [{"outer_step": 0, "status": "solo", "group_size": 1, "heldout_loss": 3.03},
+         {"outer_step": 1, "status": "applied", "group_size": 2, "heldout_loss": 2.0}],
+    ]  # fmt: skip
+    result = BenchResult("quality", "tiny")
+    report_swarm(result, curve, settles)
+    figures = {f.name: f.value for f in result.figures}
+    assert figures["swarm: rounds every node averaged with all"] == 1
+    assert figures["swarm vs simulation: worst |ratio − 1|"] == pytest.approx(0.01)
+    assert result.ratios[0].value == pytest.approx(1.0)
