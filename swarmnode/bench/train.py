@@ -4,14 +4,15 @@
 The node is a single `swarmnode run` with its snapshots (hot every 50 inner steps, the default, or more
 often when fewer steps are timed), DHT and metrics on, and JSON progress lines every 0.1 s that say how
 far it is. The bare loop is what the node wraps — `TrainingRun.inner_phase` on a training thread, same
-model, batch, AdamW, shard and `--threads` — in a worker process started like the node, with nothing
-else (`BareLoop`). It used to run on this process's main thread after 5 warm-up steps, which made it
-the slower of the two (node / bare 1.4-1.7): a different process and thread than the node's, and a
-colder start (README "Performance" says what was measured). Other work on a shared machine comes and
-goes, so the two take turns, one snapshot period each: the node trains from one of its snapshots to
-the next (a window holds one staging stall and one whole background write), then waits stopped
-(SIGSTOP) while the bare loop trains as many steps. The best windows are compared, and the medians
-printed beside them.
+model, batch, AdamW, shard and `--threads` — in a worker process of its own session started like the
+node, with nothing else (`BareLoop`), warmed up for a whole window before the node starts. (It used
+to run on this process's main thread after 5 warm-up steps, in the caller's session: where the
+kernel groups scheduling by session, that loop shared its session's CPU share while the node had one
+of its own.) Other work on a shared machine comes and goes, so the two take turns, one snapshot
+period each: the node trains from one of its snapshots to the next (a window holds one staging stall
+and one whole background write), then waits stopped (SIGSTOP) while the bare loop trains as many
+steps. The best windows are compared, and the medians printed beside them. Known open problem: on this
+machine under load the node still measures faster than this anchor (node / bare 1.3-1.7, README).
 """
 
 from __future__ import annotations
@@ -38,12 +39,6 @@ SEQ_LEN = 128
 NODE_HOT_EVERY = 50
 TIMEOUT_S = 900.0
 TOKENS = BATCH_SIZE * SEQ_LEN
-THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""OpenMP settings of both the node and the bare loop. By default libgomp's idle workers spin, and how
-long depends on how many OpenMP threads the process runs: the node (several threads use torch, so
-more OpenMP threads than cores) spins less than a bare loop (one team); on a loaded machine a spinning
-worker burns its process's share of the CPU, so the bare loop was the slower one (node / bare 1.3-1.7).
-Measured side by side here under load, the same loop made 0.57 steps/s spinning and 2.59 passive."""
 PROGRESS_S = 0.1
 """The node's progress interval: when each window ends is known to within this."""
 
@@ -88,12 +83,9 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
     ]
     node_rates, bare_rates = [], []
     bare_args = (preset_name, str(threads), str(window))
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        Worker(Path(tmp), "bare-train", *bare_args, env=THREAD_ENV) as worker,
-    ):
+    with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
         worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
-        with NodeProcess(Path(tmp) / "node", args, env=THREAD_ENV) as node:
+        with NodeProcess(Path(tmp) / "node", args) as node:
             progress, bare = ProgressTail(node), BareLoop(worker)
             start = progress.wait_for(window)
             for k in range(2, windows + 2):

@@ -176,13 +176,12 @@ class _Child:
 class Worker(_Child):
     """`python -m swarmnode.bench.worker ROLE ARGS…`: one JSON object per line each way."""
 
-    def __init__(self, log_dir: Path, role: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, role: str, *args: str) -> None:
         super().__init__(log_dir / f"worker-{role}-{time.monotonic_ns()}.log")
         self.argv = [sys.executable, "-m", "swarmnode.bench.worker", role, *args]
-        self.env = {**child_env(), **(env or {})}
 
     def __enter__(self) -> Worker:
-        self._start(self.argv, piped=True, env=self.env)
+        self._start(self.argv, piped=True)
         return self
 
     def send(self, message: dict[str, Any]) -> None:

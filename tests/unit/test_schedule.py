@@ -78,3 +78,21 @@ def test_cosine_needs_an_end_and_a_warm_up_shorter_than_it() -> None:
     derived = NodeConfig(lr_schedule="cosine", max_outer_steps=3, inner_steps=50).inner_schedule
     assert derived == InnerSchedule(LrSchedule.COSINE, 0, 150)
     assert NodeConfig(max_outer_steps=3).inner_schedule.total_steps is None  # constant: no end
+
+
+def test_a_peer_restore_restarts_the_schedule_at_the_peers_round_start() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from swarmnode.bench.runner import trained_run
+    from swarmnode.snapshot.metadata import SnapshotMetadata
+
+    peer = trained_run("tiny", 7, 32, 2)  # 7 inner steps into its first round
+    meta = SnapshotMetadata.parse({**peer.state_metadata(), "kind": "hot", "layout": "planes"})
+    assert (meta.schedule_step, meta.round_step) == (7, 7)
+    tensors = {name: t.clone() for name, t in peer.state_tensors().items()}
+    node = trained_run("tiny", 3, 32, 2)
+    node.restore_from_peer(SimpleNamespace(tensors=tensors), meta, None, (3, 0))  # type: ignore[arg-type]
+    assert node.trainer.schedule_step == 0  # the round restarts from θ_g, and so does its schedule
+    node.inner_phase(2, None, threading.Event(), lambda: None)
+    assert node.trainer.schedule_step == 2
