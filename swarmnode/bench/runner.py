@@ -14,6 +14,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | `train` | tokens/s of a real node; DiLoCo quality | a bare training loop; synchronous DP |
 | `quality` | DiLoCo's held-out loss over a run; a sweep of its settings | synchronous DP; one worker |
 | `swarm` | per swarm size N: matchmaking, all-reduce, DHT requests, rounds, RSS | the round's wall time |
+| `wan` | N nodes on links capped at R Mbit/s: blocking vs `--overlap on` | inner phase; 2(N−1)/N · B / R |
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ KNOBS = (
     "group_size",
     "swarm",
     "variants",
+    "mbit",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 

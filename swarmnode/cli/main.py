@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm"],
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan"],
         help="which benchmark",
     )
     bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_counts,
         help="all-reduce processes (allreduce), DiLoCo workers (train) or swarm sizes (swarm: 8,16,32)",
     )
+    bench.add_argument("--mbit", type=float, help="wan: each node's link cap, Mbit/s each way (default 50)")
     bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
     bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")

@@ -1,0 +1,64 @@
+"""`swarmnode bench wan`: real nodes on the bandwidth-capped namespace bed, blocking vs `--overlap on`.
+
+Without root the bench refuses with one line and exit 2; with root a 2-node tiny run reports every
+figure, each node sent the butterfly's share of Δ, and the all-reduce took at least the link cap's
+bound (the cap fired: an uncapped veth moves the same bytes many times faster)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from swarmnode.bench import netbed, wan
+from swarmnode.cli.main import main
+from swarmnode.swarm import codecs
+
+
+def test_the_wan_bench_without_root_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(netbed, "unavailable", lambda: "network namespaces need root")
+    assert main(["bench", "wan", "--model", "tiny", "--nodes", "2", "--mbit", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "root" in err[0] and err[0].startswith("swarmnode bench: error:"), err
+
+
+def test_the_wan_bench_refuses_a_bad_cap_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    if netbed.unavailable() is not None:
+        pytest.skip("without root the bench refuses before it reads the cap")
+    assert main(["bench", "wan", "--model", "tiny", "--nodes", "2", "--mbit", "0"]) == 2
+    assert "--mbit" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_wan_bench_runs_both_modes_on_a_capped_bed() -> None:
+    reason = netbed.unavailable()
+    if reason is not None:
+        pytest.skip(f"no network test bed here: {reason}")
+    argv = ["bench", "wan", "--model", "tiny", "--json", "--nodes", "2", "--mbit", "20"]
+    argv += ["--rounds", "1", "--inner-steps", "10"]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", *argv], capture_output=True, text=True, timeout=840
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout)
+    figures = {f["name"]: f["value"] for f in report["figures"]}
+    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    assert {
+        "blocking: round wall / inner phase",
+        "overlap: round wall / inner phase",
+        "overlap round wall / blocking round wall",
+        "blocking: all-reduce / bandwidth bound",
+        "overlap: all-reduce / bandwidth bound",
+    } <= set(ratios)
+    assert all(v > 0 for v in ratios.values()), ratios
+    delta_mb = figures["Δ on the wire (B)"]
+    assert delta_mb * 1e6 == codecs.encoded_size("bf16", wan._parameters("tiny"))
+    for mode in ("blocking", "overlap"):
+        assert figures[f"{mode}: rounds measured"] == 1
+        assert figures[f"{mode}: bytes sent per node per round"] == pytest.approx(delta_mb)  # 2(N-1)/N = 1
+        assert ratios[f"{mode}: all-reduce / bandwidth bound"] > 0.8, "the link cap did not hold"
