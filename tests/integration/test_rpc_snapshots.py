@@ -702,7 +702,7 @@ def test_stock_tools_see_every_service_by_reflection_and_health() -> None:
         "grpc.health.v1.Health",
     } <= services
     assert answers == [health_pb2.HealthCheckResponse.SERVING] * 2
-    assert methods == {"Propose", "Exchange"}
+    assert methods == {"Propose", "Exchange", "AwaitGroup"}
 
 
 # --- CLI helpers -------------------------------------------------------------------------------------
