@@ -64,6 +64,13 @@ def captured_call(servicer: AveragingServicer, spec: GroupSpec, part: int, delta
     return [pb.Contribution(header=header), *chunks]
 
 
+def mid_stream(code: grpc.StatusCode) -> set[grpc.StatusCode]:
+    """What a caller sees of a refusal of one of its chunks while it is still writing the next ones: the
+    reducer's `code`, or, when the refusal's reset of the stream overtakes its trailers, gRPC's INTERNAL
+    (3 of 5 runs here); the reducer's own record of the reason is checked beside it."""
+    return {code, grpc.StatusCode.INTERNAL}
+
+
 async def send(address: str, messages: list[Any]) -> grpc.StatusCode:
     """Streams `messages` as one `Exchange` call; the status it ends with (OK: the reducer answered)."""
     async with rpc.open_channel(address) as channel:
@@ -124,19 +131,26 @@ def test_a_captured_contribution_is_refused_elsewhere_altered_spliced_or_again()
             assert await send(spec.members[2].address, to_1) == grpc.StatusCode.INVALID_ARGUMENT
             # Its header for reducer 2 with the chunks it signed for reducer 1.
             spliced = [to_2[0], *to_1[1:]]
-            assert await send(spec.members[2].address, spliced) == grpc.StatusCode.PERMISSION_DENIED
+            assert await send(spec.members[2].address, spliced) in mid_stream(
+                grpc.StatusCode.PERMISSION_DENIED
+            )
+            assert rejected[-1] == "bad_signature", rejected
             # Its call to reducer 1 with one chunk's bytes changed (the signature no longer matches).
             altered = list(to_1)
             changed = pb.Contribution()
             changed.CopyFrom(altered[2])
             changed.data = bytes(len(changed.data))
             altered[2] = changed
-            assert await send(spec.members[1].address, altered) == grpc.StatusCode.PERMISSION_DENIED
+            assert await send(spec.members[1].address, altered) in mid_stream(
+                grpc.StatusCode.PERMISSION_DENIED
+            )
             assert rejected.count("bad_signature") == 2 and "invalid" in rejected, rejected
             # Member 2's call to reducer 1 with a chunk repeated: refused as out of order.
             from_2 = captured_call(servicers[2], spec, 1, delta)
             repeated = [*from_2[:2], from_2[1], *from_2[2:]]
-            assert await send(spec.members[1].address, repeated) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await send(spec.members[1].address, repeated) in mid_stream(
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
             assert "chunk_order" in rejected, rejected
             # Member 0's captured call to reducer 1 sent again: a second call from that sender.
             assert await send(spec.members[1].address, to_1) == grpc.StatusCode.ALREADY_EXISTS
