@@ -217,6 +217,9 @@ class Matchmaker:
                 if o.node_id in expected_peers and o.outer_step > own.outer_step
             )
             if expected_peers and 2 * len(moved_on) > len(expected_peers):
+                astray = _astray(own, list(offers.values()))
+                if astray is not None:  # the round closed without it for its digest: say so
+                    return astray
                 reason = f"{len(moved_on)} of the peers it expects already offer for round {moved_on[-1]}"
                 return Outcome(None, reason=reason, missed=True)
             offers.update(_for_round(current, own.outer_step))
@@ -251,10 +254,11 @@ class Matchmaker:
             len(offers),
             sorted(o.node_id[:8] for o in offers),
         )
+        astray = _astray(own, offers)
+        if astray is not None:
+            return astray
         reference = swarm_digest(offers)
         members = [o for o in offers if o.global_digest == reference]
-        if own.global_digest != reference:
-            return Outcome(None, repair_from=tuple(members), reason="global digest differs from the swarm's")
         if len(members) == 1:
             return Outcome(None, reason="no partner offered in time")
         leaders = [o for o in members if o.reachable]
@@ -408,6 +412,16 @@ def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:
 def _rank(offer: Offer) -> tuple[float, str]:
     """Leadership order: earliest deadline, then lowest node id."""
     return offer.deadline, offer.node_id
+
+
+def _astray(own: Offer, offers: Sequence[Offer]) -> Outcome | None:
+    """The outcome of a round whose offers (own included) hold another global digest than this node's
+    as the swarm's: repair from the members that hold it; None when this node holds the swarm's."""
+    reference = swarm_digest(offers)
+    if own.global_digest == reference:
+        return None
+    members = tuple(o for o in offers if o.global_digest == reference)
+    return Outcome(None, repair_from=members, reason="global digest differs from the swarm's")
 
 
 def swarm_digest(offers: Sequence[Offer]) -> str:
