@@ -212,10 +212,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_data_chunk(offset: int, data: bytes | memoryview) -> bytes:
+def encode_data_chunk(offset: int, data: bytes | memoryview, trailer: bytes = b"") -> bytes:
     """`FetchSnapshotChunk(offset=offset, data=data)` in protobuf wire format, built with a single copy
-    of `data` (building the message and serialising it copies twice; see `snapshot_server`'s notes)."""
-    return b"".join((b"\x10", _varint(offset), b"\x1a", _varint(len(data)), data))
+    of `data` (building the message and serialising it copies twice; see `snapshot_server`'s notes);
+    `trailer`: further fields, already encoded, appended in the same copy."""
+    return b"".join((b"\x10", _varint(offset), b"\x1a", _varint(len(data)), data, trailer))
 
 
 # ---------------------------------------------------------------------------------------------------

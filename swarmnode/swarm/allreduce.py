@@ -164,7 +164,7 @@ class _Butterfly:
         self.phases.setdefault(phase, time.monotonic() - self.started)
 
     async def run(self) -> AllReduceResult:
-        started = self.started = time.monotonic()
+        started = self.started
         rnd = self.servicer.begin(self.spec, self.me, self.delta, self.weight)
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -236,7 +236,8 @@ class _Butterfly:
         if averaged.values is not None:
             self.out[slice(*self.spec.part_range(self.me, self.delta.numel()))].copy_(averaged.values)
             self.parts[self.me] = frozenset(averaged.included)
-        if averaged.contributors < len(self.spec.members):
+        absent = len(self.spec.members) - averaged.contributors - rnd.weightless - (self.weight == 0)
+        if absent > 0:
             logger.warning(
                 "group %s: part %d averages %d of %d members",
                 *(self.spec.group_id, self.me, averaged.contributors, len(self.spec.members)),

@@ -36,7 +36,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.wire import MAX_TIMEOUT_S, GroupSpec, Member
 
 MIN_GROUP_SIZE = 2
 _GROUPED = re.compile(r"\.g([0-9]{1,3})$")
@@ -134,7 +134,7 @@ class RoundPlan:
         """Step 3: group g's butterfly that passes the swarm's mean on. Its budget spans step 2 too,
         since a member starts it as soon as its step 1 is over."""
         dtype = "bf16" if self.spec.wire_dtype == "bf16" else "fp32"
-        return self._sub(f"b{g}", self.groups[g], dtype, 2 * self.spec.timeout_s)
+        return self._sub(f"b{g}", self.groups[g], dtype, min(2 * self.spec.timeout_s, MAX_TIMEOUT_S))
 
     def group_weight(self, g: int) -> float:
         return sum(self.spec.members[k].weight for k in self.groups[g])

@@ -142,6 +142,8 @@ class Matchmaker:
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
         self._led: dict[int, GroupSpec] = {}  # the groups this node led, by round (the last few)
+        self._led_or_closed = asyncio.Event()
+        """Set (and replaced) whenever this node freezes a group it leads or leaves a round."""
         self._offered_as_client = False  # this round's offer: a client's (it asks for the group)
         self.run_id, self.run_digest, self.wire_dtype = run_id, run_digest, wire_dtype
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
@@ -160,7 +162,7 @@ class Matchmaker:
             or future is None
             or future.done()
             or spec.run_id != self.run_id
-            or not any(m.node_id == self.node_id for m in spec.members)
+            or spec.find(self.node_id) is None
         ):
             return False
         future.set_result(spec)
@@ -201,6 +203,7 @@ class Matchmaker:
             return await self._settle(key, own, expected_peers)
         finally:
             self._open_round, self._proposal = None, None
+            self._signal_led()
 
     async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
@@ -261,10 +264,9 @@ class Matchmaker:
         members = [o for o in offers if o.global_digest == reference]
         if len(members) == 1:
             return Outcome(None, reason="no partner offered in time")
-        leaders = [o for o in members if o.reachable]
-        if not leaders:
+        leader = _leader(members)
+        if leader is None:
             return Outcome(None, reason="no reachable member offered to lead the round")
-        leader = min(leaders, key=_rank)
         if leader.node_id == own.node_id:
             return await self._lead(own, members)
         return await self._follow(leader)
@@ -334,15 +336,22 @@ class Matchmaker:
         self._led[spec.round] = spec
         for old in sorted(self._led)[:-4]:
             del self._led[old]
+        self._signal_led()
+
+    def _signal_led(self) -> None:
+        self._led_or_closed.set()
+        self._led_or_closed = asyncio.Event()
 
     async def led_group(self, run_id: str, outer_step: int, wait_s: float) -> GroupSpec | None:
         """The group this node led in round `outer_step`, waiting up to `wait_s` while it is still
         matchmaking in that round; None when it did not lead it (or not yet)."""
         deadline = time.monotonic() + wait_s
-        while run_id == self.run_id and outer_step not in self._led and time.monotonic() < deadline:
-            if self._open_round != outer_step:
-                break  # not (or no longer) matchmaking in that round
-            await asyncio.sleep(POLL_INTERVAL_S / 5)
+        while run_id == self.run_id and outer_step not in self._led and self._open_round == outer_step:
+            changed, remaining = self._led_or_closed, deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
         return self._led.get(outer_step) if run_id == self.run_id else None
 
     async def _ask_leader(self, leader: Offer, give_up: float) -> Outcome | None:
@@ -401,8 +410,13 @@ def _poll_interval(own: Offer, offers: dict[str, Offer]) -> float:
     ranks before its own), long once it knows it follows — the proposal comes to it over gRPC at once
     either way, so a follower's look-ups only notice a round that closed without it. This keeps a
     round's DHT requests per node near k·(timeout / FOLLOWER_POLL_S) for all but the leader."""
-    leads = min(offers.values(), key=_rank).node_id == own.node_id
-    return POLL_INTERVAL_S if leads else FOLLOWER_POLL_S
+    leader = _leader(list(offers.values()))
+    return POLL_INTERVAL_S if leader is not None and leader.node_id == own.node_id else FOLLOWER_POLL_S
+
+
+def _leader(offers: Sequence[Offer]) -> Offer | None:
+    """Who leads a round among these offers: the first-ranked reachable one (a client never leads)."""
+    return min((o for o in offers if o.reachable), key=_rank, default=None)
 
 
 def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:

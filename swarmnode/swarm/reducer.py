@@ -109,6 +109,8 @@ class _PartRound:
         self.refused: set[int] = set()
         """Members proven to have lied to this reducer: not waited for, never admitted."""
         self.open: set[int] = set()
+        self.weightless: set[int] = set()
+        """Senders whose header says weight 0 (a grouped round's hand-off): they send no values."""
         self.contributions: dict[int, tuple[float, bytearray]] = {}
         self.closed = False
         self.result: asyncio.Future[Averaged] = asyncio.get_running_loop().create_future()
@@ -131,7 +133,7 @@ class _PartRound:
         group = self.spec.group_id
         if speaker.refusal in (AveragingReject.UNAUTHENTICATED, AveragingReject.BAD_SIGNATURE):
             raise _denied(speaker.refusal, f"group {group}: the caller did not prove which member it is")
-        speaking = self._member_index(speaker.node_id)
+        speaking = self.spec.find(speaker.node_id)
         if speaker.node_id is not None and speaking is None:
             raise _denied(
                 AveragingReject.IMPERSONATION, f"group {group}: node {speaker.node_id} is no member"
@@ -153,14 +155,11 @@ class _PartRound:
         if h.sender in self.seen:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} called twice")
         self.seen.add(h.sender)
+        if h.weight == 0:
+            self.weightless.add(int(h.sender))
         self.open.add(h.sender)
         self.idle.clear()
         return int(h.sender)
-
-    def _member_index(self, node_id: str | None) -> int | None:
-        if node_id is None:
-            return None
-        return next((k for k, m in enumerate(self.spec.members) if m.node_id == node_id), None)
 
     def refuse(self, member: int) -> None:
         """Member `member` lied to this reducer: its contribution is not waited for, nor admitted."""
@@ -237,7 +236,12 @@ class _PartRound:
                 raise _Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, AveragingReject.CHUNK_ORDER, str(exc)
                 ) from None
-            if not trust.chunk_ok(h, self.spec, index, memoryview(image)[got : got + size], signature):
+            chunk = memoryview(image)[got : got + size]
+            # sha256 and Ed25519 of up to 1 MiB: off the loop, like the member side's signing
+            signed = not trust.signs_chunks or await asyncio.to_thread(
+                trust.chunk_ok, h, self.spec, index, chunk, signature
+            )
+            if not signed:
                 raise _denied(
                     AveragingReject.BAD_SIGNATURE, f"chunk {index} of member {sender}: bad signature"
                 )
@@ -266,6 +270,11 @@ class LocalReduction:
     def result_bytes(self) -> int:
         """Payload bytes of this part's average handed to gRPC so far, all callers together."""
         return self._round.result_bytes
+
+    @property
+    def weightless(self) -> int:
+        """How many senders (this node aside) contributed weight 0 on purpose: a header, no values."""
+        return len(self._round.weightless)
 
     async def contributions_in(self, deadline: float) -> None:
         """Waits until every contribution still expected is in, or until the loop time `deadline`."""
@@ -484,7 +493,7 @@ class AveragingServicer:
         if spec is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"not leading round {request.round}")
         assert spec is not None
-        if not any(m.node_id == request.node_id for m in spec.members):
+        if spec.find(request.node_id) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"group {spec.group_id} does not include it")
         return self.trust.sign_proposal(wire.spec_to_pb(spec))
 

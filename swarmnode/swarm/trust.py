@@ -178,7 +178,7 @@ class AveragingTrust:
         if not verify_signature(msg.leader_public_key, msg.signature, proposal_message(msg)):
             return AveragingReject.BAD_SIGNATURE
         leader = node_id_from_public_key(msg.leader_public_key).hex()
-        if all(m.node_id != leader for m in spec.members):
+        if spec.find(leader) is None:
             return AveragingReject.IMPERSONATION
         return None
 

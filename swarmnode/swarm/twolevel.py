@@ -23,10 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def _whole(result: AllReduceResult, must: frozenset[int]) -> bool:
-    """Every part averaged, each with every member of `must` in it."""
-    return all(must <= members for members in result.included) and (
-        result.averaged.coverage == 1.0 or not must
-    )
+    """Every part averaged, each with every member of `must` in it (a client member's own part is
+    empty: it reduces nothing, so only the parts that exist count)."""
+    return not must or (result.averaged.coverage == 1.0 and must <= result.delivered)
 
 
 def _positive(plan: RoundPlan, indices: tuple[int, ...]) -> frozenset[int]:
@@ -50,7 +49,7 @@ async def two_level_allreduce(
     inner = plan.group_spec(g)
     first = await butterfly_allreduce(servicer, inner, group.index(me), delta, weight, channels)
     sent = first.bytes_sent
-    share, handoff_weight = torch.zeros_like(delta), 0.0
+    share, handoff_weight = delta, 0.0  # weight 0: only its header travels, its values are not read
     if group[0] == me:
         share, handoff_weight, top_sent = await _lead_group(servicer, plan, g, first, channels)
         sent += top_sent
@@ -64,7 +63,7 @@ async def two_level_allreduce(
         averaged = AveragedDelta(last.averaged.delta, ((0, n),), len(plan.spec.members))
         included = (_positive(plan, tuple(range(len(plan.spec.members)))),)
     else:
-        averaged = AveragedDelta(torch.zeros_like(delta), (), len(plan.spec.members))
+        averaged = AveragedDelta(last.averaged.delta, (), len(plan.spec.members))  # nothing covered
         included = (frozenset(),)
         logger.warning(
             "round %d: group %d of %d did not get the swarm's whole mean; nothing is applied here",
@@ -95,4 +94,4 @@ async def _lead_group(
     if group_whole and _whole(second, weighty):
         return second.averaged.delta, 1.0, second.bytes_sent
     logger.warning("round %d: the leaders' average is not whole: group %d applies none", plan.spec.round, g)
-    return torch.zeros_like(means), 0.0, second.bytes_sent
+    return means, 0.0, second.bytes_sent  # weight 0: its values are not read

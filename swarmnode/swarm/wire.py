@@ -106,12 +106,16 @@ class GroupSpec:
                 f"all-reduce timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout_s}"
             )
 
+    def find(self, node_id: str | None) -> int | None:
+        """The member's index; None if the node is not a member."""
+        return next((k for k, m in enumerate(self.members) if m.node_id == node_id), None)
+
     def index_of(self, node_id: str) -> int:
         """The member's index; ValueError if the node is not a member."""
-        for k, member in enumerate(self.members):
-            if member.node_id == node_id:
-                return k
-        raise ValueError(f"node {node_id} is not a member of group {self.group_id}")
+        k = self.find(node_id)
+        if k is None:
+            raise ValueError(f"node {node_id} is not a member of group {self.group_id}")
+        return k
 
     @functools.cached_property
     def reducers(self) -> tuple[int, ...]:
@@ -204,10 +208,10 @@ def chunk_messages(image: memoryview, signatures: Sequence[bytes] = ()) -> Itera
     layout) in protobuf wire format, each with its payload size; built one at a time, one copy each.
     `signatures`: one per chunk (a `Contribution`'s field 4), or none."""
     for index, chunk in enumerate(chunks(image)):
-        message = encode_data_chunk(index * CHUNK_BYTES, chunk)
-        if signatures:
-            message += _SIGNATURE_FIELD + bytes([len(signatures[index])]) + signatures[index]
-        yield message, len(chunk)
+        trailer = (
+            _SIGNATURE_FIELD + bytes([len(signatures[index])]) + signatures[index] if signatures else b""
+        )
+        yield encode_data_chunk(index * CHUNK_BYTES, chunk, trailer), len(chunk)
 
 
 _SIGNATURE_FIELD = b"\x22"  # field 4, length-delimited; an Ed25519 signature (64 bytes) fits one length byte
@@ -261,7 +265,13 @@ def _fast_chunk_fields(raw: bytes) -> tuple[int, memoryview, bytes] | None:
         return None
     if end == len(raw):
         return offset, memoryview(raw)[pos:end], b""
-    if raw[end : end + 1] == _SIGNATURE_FIELD and end + 2 + raw[end + 1] == len(raw) and raw[end + 1] < 0x80:
+    length = raw[end + 1 : end + 2]
+    if (
+        raw[end : end + 1] == _SIGNATURE_FIELD
+        and length
+        and length[0] < 0x80
+        and end + 2 + length[0] == len(raw)
+    ):
         return offset, memoryview(raw)[pos:end], raw[end + 2 :]
     return None
 

@@ -72,12 +72,17 @@ def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tm
     # The honest node stops itself (SIGSTOP) early while the two bad servers train on: their snapshots
     # are fresher, so a joiner tries them first. It is woken before the joiner starts (and may repair
     # from them first: so every chunk one of them serves is corrupted, and every stream the other cut).
+    # Every node here shares the host 127.0.0.1, which is what --max-serving-per-peer counts without
+    # certificates; the woken honest node keeps retrying its own repair from the bad servers, so with
+    # the default of one stream per host the joiner's fetch could be refused for the honest node's.
+    per_host = ["--max-serving-per-peer", "4"]
     nodes = start_swarm(
         reaper,
         tmp_path,
         3,
         [*ARGS, "--wait-peers", "2"],
         faults=["stop@inner_step#15", "corrupt@serve_chunk", "truncate@serve_stream=100000"],
+        extra=[(), per_host, per_host],
     )
     honest = nodes[0]
     wait_for(honest.stopped, 60, "the honest node to stop itself")

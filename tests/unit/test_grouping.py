@@ -145,3 +145,11 @@ def test_answers_of_a_key_with_more_entries_than_fit_together_cover_all_of_them(
     assert _sample_that_fit(few, MAX_ANSWER_ENTRY_BYTES) == _sample_that_fit(
         few[::-1], MAX_ANSWER_ENTRY_BYTES
     )
+
+
+def test_a_long_all_reduce_budget_still_gives_a_valid_hand_off() -> None:
+    spec = round_spec(6, 2)
+    long = GroupSpec(spec.run_id, spec.round, spec.group_id, spec.members, "bf16", 400.0)
+    plan = RoundPlan.of(long)
+    assert plan is not None and plan.handoff_spec(0).timeout_s == 600.0  # capped at the wire's bound
+    assert sub_specs(long, long.members[0].node_id)

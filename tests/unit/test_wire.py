@@ -149,7 +149,17 @@ def test_a_signed_chunk_is_read_in_place_with_its_signature() -> None:
     assert bytes(rebuilt) == bytes(image)
 
 
-@pytest.mark.parametrize("garbage", [b"\x10\xff\xff", b"\x10\x01\x1a\x09abc", b"\xff" * 12, b"", "text"])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x10\xff\xff",
+        b"\x10\x01\x1a\x09abc",
+        b"\xff" * 12,
+        b"",
+        "text",
+        rpc.encode_data_chunk(0, b"abcd") + b"\x22",  # a signature field cut short after its tag
+    ],
+)
 def test_a_chunk_that_does_not_decode_is_refused(garbage: object) -> None:
     with pytest.raises(ValueError):
         wire.take_chunk(garbage, bytearray(64), 0, pb.Contribution)  # type: ignore[arg-type]
