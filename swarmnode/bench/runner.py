@@ -27,7 +27,9 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -103,17 +105,25 @@ def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchR
     bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
     knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
     accepted = inspect.signature(bench).parameters
+    hints = typing.get_type_hints(bench)
     for knob, value in list(knobs.items()):
         flag = "--" + knob.replace("_", "-")
         if knob not in accepted:
             raise ConfigError(f"{flag}: bench {name} has no such knob, got {value}")
-        knobs[knob] = _knob_value(flag, value, many=name == "swarm")
+        knobs[knob] = _knob_value(flag, value, many=_takes_many(hints.get(knob)))
     result: BenchResult = bench(preset_name, **knobs)
     result.peak_rss_mb = peak_rss_mb()
     children = largest_child_rss_mb()
     if children:
         result.add("peak RSS of the largest child process", children, "MB")
     return result
+
+
+def _takes_many(annotation: Any) -> bool:
+    """Whether a knob's annotation accepts a sequence (`nodes: Sequence[int] | int`: a list of counts)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = [typing.get_origin(a) or a for a in (typing.get_args(annotation) if union else (annotation,))]
+    return any(isinstance(kind, type) and issubclass(kind, Sequence) and kind is not str for kind in kinds)
 
 
 def _knob_value(flag: str, value: Any, many: bool) -> Any:
