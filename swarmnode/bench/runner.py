@@ -162,17 +162,16 @@ BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(
-    preset_name: str, train_steps: int, seq_len: int, batch_size: int, train: bool = True
-) -> TrainingRun:
-    """A training run of the preset after a few inner steps, so weights and Adam moments are realistic
-    (`train=False`: none here; the caller trains it on its own thread)."""
+def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
+    """A training run of the preset after `train_steps` inner steps, so weights and Adam moments are
+    realistic (0: none here, nor any call that needs the training thread; the caller may train it on
+    its own)."""
     corpus = default_corpus()
     model_cfg = preset(preset_name, corpus.vocab_size)
     loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
     digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
     identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
     run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
-    if train:
+    if train_steps > 0:
         run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run
