@@ -21,19 +21,15 @@ token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), eac
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
-import ipaddress
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from swarmnode.bench.fetch import raw_receive
+from swarmnode.bench.pki import write_pki
 from swarmnode.bench.runner import BenchResult, median
 from swarmnode.core.model import build_model, count_parameters
 from swarmnode.core.presets import preset
@@ -59,17 +55,10 @@ def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResul
         ids = [Identity.load_or_create(keys / f"m{k}.key").node_id_hex for k in range(nodes)]
         for k, node_id in enumerate(ids):
             (keys / f"m{k}.key").rename(keys / f"{node_id}.key")
-        _write_pki(keys, ids)
+        write_pki(keys, ids)
         for mode in TRUST_MODES:
             with contextlib.ExitStack() as children:
-                workers = [
-                    children.enter_context(Worker(keys, "average", node_id, mode, str(keys)))
-                    for node_id in ids
-                ]
-                members = tuple(
-                    Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
-                    for node_id, worker in zip(ids, workers, strict=True)
-                )
+                members, workers = _butterfly_members(keys, children, ids, mode, str(keys))
                 seconds, coverage = [], 1.0
                 for r in range(rounds):
                     spec = GroupSpec("bench", r, f"{mode}-{r}", members, "bf16", ROUND_TIMEOUT_S)
@@ -84,45 +73,6 @@ def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResul
     return result
 
 
-def _write_pki(keys: Path, ids: list[str]) -> None:
-    """A CA (`ca.pem`) and, per node id, a certificate naming it (`ID.pem`, key `ID.pem.key`)."""
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "bench CA")])
-    ca = _certificate(ca_name, ca_name, ca_key.public_key(), ca_key, True)
-    (keys / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for node_id in ids:
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, node_id)])
-        cert = _certificate(name, ca_name, key.public_key(), ca_key, False)
-        (keys / f"{node_id}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (keys / f"{node_id}.pem.key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-
-
-def _certificate(
-    subject: x509.Name, issuer: x509.Name, public_key: Any, signer: Any, ca: bool
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-        builder = builder.add_extension(san, critical=False)
-    return builder.sign(signer, hashes.SHA256())
-
-
-BENCH_DTYPES = WIRE_DTYPES
 GLOO_DTYPES = ("fp32", "bf16")
 
 
@@ -137,31 +87,32 @@ def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 5, trust: bo
     numel = _param_count(preset_name)
     result.add("pseudo-gradient", numel / 1e6, "M values", f"{nodes} member processes per engine")
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as children:
-        members, workers = _butterfly_members(Path(tmp), children, nodes)
+        ids = [hashlib.sha256(f"bench-member-{k}".encode()).hexdigest()[:40] for k in range(nodes)]
+        members, workers = _butterfly_members(Path(tmp), children, ids)
         glooers = _gloo_members(Path(tmp), children, nodes)
         sender = children.enter_context(Worker(Path(tmp), "serve"))
         tcp_port = sender.read(WORKER_START_S)["tcp"]
         samples: dict[str, list[dict[str, Any]]] = {}
         for r in range(rounds + 1):  # round 0 warms up every engine and dtype
             _sample_gloo(glooers, numel, r, samples)
-            for wire_dtype in BENCH_DTYPES:
+            for wire_dtype in WIRE_DTYPES:
                 raw = raw_receive(tcp_port, encoded_size(wire_dtype, numel), None)[0]
                 spec = GroupSpec("bench", r, f"{wire_dtype}-{r}", members, wire_dtype, ROUND_TIMEOUT_S)
                 replies = _one_round(workers, spec, numel)
                 if r > 0:
                     samples.setdefault(wire_dtype, []).append({"raw": raw, "replies": replies})
     _report_gloo(result, samples)
-    for wire_dtype in BENCH_DTYPES:
+    for wire_dtype in WIRE_DTYPES:
         _report(result, wire_dtype, encoded_size(wire_dtype, numel), nodes, samples[wire_dtype])
     _report_anchor(result, samples)
     return result
 
 
 def _butterfly_members(
-    tmp: Path, children: contextlib.ExitStack, nodes: int
+    tmp: Path, children: contextlib.ExitStack, ids: list[str], *args: str
 ) -> tuple[tuple[Member, ...], list[Worker]]:
-    ids = [hashlib.sha256(f"bench-member-{k}".encode()).hexdigest()[:40] for k in range(nodes)]
-    workers = [children.enter_context(Worker(tmp, "average", node_id)) for node_id in ids]
+    """An `average` worker per node id (`args`: its further arguments) and the group's members."""
+    workers = [children.enter_context(Worker(tmp, "average", node_id, *args)) for node_id in ids]
     members = tuple(
         Member(node_id, f"127.0.0.1:{worker.read(WORKER_START_S)['grpc']}")
         for node_id, worker in zip(ids, workers, strict=True)
@@ -211,7 +162,7 @@ def _report(
 ) -> None:
     share = 2 * (nodes - 1) / nodes
     seconds = [max(reply["seconds"] for reply in sample["replies"]) for sample in samples]
-    bound = share * size / max(size / sample["raw"] for sample in samples)
+    bound = share * min(sample["raw"] for sample in samples)
     coverage = min(reply["coverage"] for sample in samples for reply in sample["replies"])
     last = samples[-1]["replies"]
     sent = sum(reply["bytes_sent"] for reply in last) / len(last)

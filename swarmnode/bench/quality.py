@@ -22,6 +22,7 @@ average through the 4-bit wire codec, as the butterfly sends them.
 
 from __future__ import annotations
 
+import math
 import queue
 import tempfile
 import threading
@@ -41,6 +42,7 @@ from swarmnode.core.model import build_model, configure_determinism, count_param
 from swarmnode.core.presets import preset
 from swarmnode.core.schedule import InnerSchedule, LrSchedule
 from swarmnode.swarm import codecs
+from swarmnode.swarm.reducer import Contribution, average
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.procs import Worker
 
@@ -217,9 +219,7 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
             for _ in range(job.inner_steps - early):
                 trainer.inner_step(shard_loader.next_batch())
         deltas = [t.pseudo_gradient().clone() for t in trainers]
-        averaged = mean_delta([_through(d, wire) for d in deltas])
-        if wire != "fp32":
-            averaged = AveragedDelta(_through(averaged.delta, wire), averaged.covered, averaged.group_size)
+        averaged = group_average(deltas, wire)
         if overlap:
             pending = (averaged, deltas)
             continue
@@ -232,17 +232,15 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
         yield trainers[0], True
 
 
-def _through(x: torch.Tensor, wire: str) -> torch.Tensor:
-    """`x` as a member decodes it after the wire codec (fp32: `x` itself)."""
-    return x if wire == "fp32" else codecs.decode(codecs.encode(x.contiguous(), wire), wire, x.numel())
-
-
-def mean_delta(deltas: Sequence[torch.Tensor]) -> AveragedDelta:
-    """Σᵢ Δᵢ / W in fp32 in member order: the reducer's token-weighted average at equal weights."""
-    acc = torch.zeros_like(deltas[0])
-    for delta in deltas:
-        acc.add_(delta, alpha=1.0 / len(deltas))
-    return AveragedDelta(acc, ((0, acc.numel()),), len(deltas))
+def group_average(deltas: Sequence[torch.Tensor], wire: str) -> AveragedDelta:
+    """The reducer's average (`swarm.reducer.average`) of the workers' Δs at equal weights, screening
+    off: each Δ goes in as the wire image a reducer receives and the average comes out through the
+    codec, as the butterfly sends them (fp32: Σᵢ Δᵢ / W in member order); what every member applies."""
+    n = deltas[0].numel()
+    images: list[Contribution] = [(k, 1.0, bytearray(codecs.encode(d, wire))) for k, d in enumerate(deltas)]
+    averaged = average(images, wire, n, math.inf)
+    assert averaged.values is not None and len(averaged.included) == len(deltas), averaged.excluded
+    return AveragedDelta(averaged.values, ((0, n),), len(deltas))
 
 
 def _data_parallel_rounds(corpus: Corpus, job: SideJob) -> Any:

@@ -27,7 +27,9 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -103,17 +105,25 @@ def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchR
     bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
     knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
     accepted = inspect.signature(bench).parameters
+    hints = typing.get_type_hints(bench)
     for knob, value in list(knobs.items()):
         flag = "--" + knob.replace("_", "-")
         if knob not in accepted:
             raise ConfigError(f"{flag}: bench {name} has no such knob, got {value}")
-        knobs[knob] = _knob_value(flag, value, many=name == "swarm")
+        knobs[knob] = _knob_value(flag, value, many=_takes_many(hints.get(knob)))
     result: BenchResult = bench(preset_name, **knobs)
     result.peak_rss_mb = peak_rss_mb()
     children = largest_child_rss_mb()
     if children:
         result.add("peak RSS of the largest child process", children, "MB")
     return result
+
+
+def _takes_many(annotation: Any) -> bool:
+    """Whether a knob's annotation accepts a sequence (`nodes: Sequence[int] | int`: a list of counts)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = [typing.get_origin(a) or a for a in (typing.get_args(annotation) if union else (annotation,))]
+    return any(isinstance(kind, type) and issubclass(kind, Sequence) and kind is not str for kind in kinds)
 
 
 def _knob_value(flag: str, value: Any, many: bool) -> Any:
@@ -152,17 +162,16 @@ BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(
-    preset_name: str, train_steps: int, seq_len: int, batch_size: int, train: bool = True
-) -> TrainingRun:
-    """A training run of the preset after a few inner steps, so weights and Adam moments are realistic
-    (`train=False`: none here; the caller trains it on its own thread)."""
+def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
+    """A training run of the preset after `train_steps` inner steps, so weights and Adam moments are
+    realistic (0: none here, nor any call that needs the training thread; the caller may train it on
+    its own)."""
     corpus = default_corpus()
     model_cfg = preset(preset_name, corpus.vocab_size)
     loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
     digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
     identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
     run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
-    if train:
+    if train_steps > 0:
         run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

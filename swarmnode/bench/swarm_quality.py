@@ -11,7 +11,7 @@ carried) is counted and shown: the simulation assumes every group whole.
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,24 +70,10 @@ def run_swarm(job: SideJob, base: Path) -> list[list[dict[str, Any]]]:
 def compare_swarm(setup: Setup, log_dir: Path) -> tuple[Curve, list[list[dict[str, Any]]]]:
     """The simulation's curve and the nodes' settle entries, the two run at once."""
     job = setup.job(Side.DILOCO, heldout_batches=HELDOUT_BATCHES)
-    simulated: list[Curve] = []
-    failed: list[BaseException] = []
-
-    def simulate() -> None:
-        try:
-            simulated.extend(run_jobs([job], log_dir, 1))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            failed.append(exc)
-
-    thread = threading.Thread(target=simulate, name="quality-simulation")
-    thread.start()
-    try:
+    with ThreadPoolExecutor(1, thread_name_prefix="quality-simulation") as simulation:
+        simulated = simulation.submit(run_jobs, [job], log_dir, 1)
         settles = run_swarm(job, log_dir / "swarm")
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
-    return simulated[0], settles
+    return simulated.result()[0], settles
 
 
 def report_swarm(result: BenchResult, curve: Curve, settles: list[list[dict[str, Any]]]) -> None:

@@ -5,7 +5,7 @@ The node is a single `swarmnode run` with its snapshots (hot every 50 inner step
 often when fewer steps are timed), DHT and metrics on, and JSON progress lines every 0.1 s that say how
 far it is. The bare loop is what the node wraps — `TrainingRun.inner_phase` on a training thread, same
 model, batch, AdamW, shard and `--threads` — in a worker process of its own session started like the
-node, with nothing else (`BareLoop`), warmed up for a whole window before the node starts. (It used
+node, with nothing else (`bare_train`), warmed up for a whole window before the node starts. (It used
 to run on this process's main thread after 5 warm-up steps, in the caller's session: where the
 kernel groups scheduling by session, that loop shared its session's CPU share while the node had one
 of its own.) Other work on a shared machine comes and goes, so the two take turns, one snapshot
@@ -86,12 +86,12 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
     with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
         worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
         with NodeProcess(Path(tmp) / "node", args) as node:
-            progress, bare = ProgressTail(node), BareLoop(worker)
+            progress = ProgressTail(node)
             start = progress.wait_for(window)
             for k in range(2, windows + 2):
                 node.signal(signal.SIGSTOP)
                 stopped = time.time()
-                bare_rates.append(window / bare.run(window))
+                bare_rates.append(window / float(worker.ask({"steps": window}, TIMEOUT_S)["seconds"]))
                 node.signal(signal.SIGCONT)
                 paused = time.time() - stopped
                 end = progress.wait_for(k * window)
@@ -100,25 +100,16 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
     return node_rates, bare_rates
 
 
-class BareLoop:
-    """The anchor: the loop a node wraps — `TrainingRun.inner_phase` on a training thread — in a
-    `bare-train` worker process of its own, started like the node (same interpreter, environment,
-    `--threads`, deterministic kernels, model, batch, shard 0) but with no snapshots, DHT, gRPC or
-    metrics server. It times its windows itself; while it trains, the node is stopped, and while the
-    node trains, it waits on its stdin."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-
-    def run(self, steps: int) -> float:
-        """Seconds of `steps` inner steps, measured inside the worker."""
-        return float(self.worker.ask({"steps": steps}, TIMEOUT_S)["seconds"])
-
-
 async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
-    """The `bare-train` worker: `warmup_steps` untimed steps, then one timed window per request."""
+    """The `bare-train` worker: `warmup_steps` untimed steps, then one timed window per request
+    (`{"steps": n}`: the seconds of n inner steps, measured here).
+
+    The anchor: the loop a node wraps — `TrainingRun.inner_phase` on a training thread — in a worker
+    process of its own, started like the node (same interpreter, environment, `--threads`,
+    deterministic kernels, model, batch, shard 0) but with no snapshots, DHT, gRPC or metrics server.
+    While it trains, the node is stopped, and while the node trains, it waits on its stdin."""
     configure_determinism(torch.device("cpu"), threads)  # what `swarmnode run --threads` does
-    run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE, train=False)
+    run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE)
     training, stop = TrainingThread(), threading.Event()
 
     def steps(count: int) -> float:

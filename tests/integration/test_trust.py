@@ -4,20 +4,16 @@ ids), and a secret that never leaks."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swarmnode.bench.pki import make_ca, make_leaf
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
@@ -39,59 +35,6 @@ ARGS = (
     "--max-outer-steps",
     "200",
 )
-
-
-def _key_and_name(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Name]:
-    return ec.generate_private_key(ec.SECP256R1()), x509.Name(
-        [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-    )
-
-
-def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[bytes, bytes]:
-    return cert.public_bytes(serialization.Encoding.PEM), key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key, name = _key_and_name(common_name)
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
-
-
-def make_leaf(
-    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], common_name: str
-) -> tuple[bytes, bytes]:
-    key, name = _key_and_name(common_name)
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(ca[0].subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(ca[1], hashes.SHA256())
-    )
-    return _pem(cert, key)
 
 
 NODES = 2

@@ -15,17 +15,32 @@ from swarmnode.bench import quality, quality_sweep
 from swarmnode.bench.quality import Comparison, Curve, Setup, Side, SideJob
 from swarmnode.bench.quality_plot import plot_comparison
 from swarmnode.bench.runner import BenchResult
-from swarmnode.swarm.reducer import average
+from swarmnode.swarm import codecs
 from swarmnode.util.plotting import SERIES_KEY
 
 
 def test_simulated_average_is_the_reducers_at_equal_weights() -> None:
     g = torch.Generator().manual_seed(0)
+    d0, d1 = (torch.randn(1000, generator=g) for _ in range(2))
+    averaged = quality.group_average([d0, d1], "fp32")
+    assert torch.equal(averaged.delta, (d0 + d1) / 2)
+    assert (averaged.covered, averaged.group_size) == (((0, 1000),), 2)
+
+
+def test_int4_average_passes_every_delta_and_the_mean_through_the_codec() -> None:
+    g = torch.Generator().manual_seed(0)
     deltas = [torch.randn(1000, generator=g) for _ in range(4)]
-    simulated = quality.mean_delta(deltas)
-    reduced = average([(k, 102400.0, d) for k, d in enumerate(deltas)], "fp32", 1000)
-    assert torch.equal(simulated.delta, reduced.values)
-    assert simulated.covered == ((0, 1000),)
+
+    def through(x: torch.Tensor) -> torch.Tensor:
+        return codecs.decode(codecs.encode(x, "int4"), "int4", x.numel())
+
+    mean = torch.zeros(1000)
+    for d in deltas:
+        mean.add_(through(d), alpha=1 / 4)
+    averaged = quality.group_average(deltas, "int4")
+    assert torch.equal(averaged.delta, through(mean))
+    assert not torch.equal(averaged.delta, quality.group_average(deltas, "fp32").delta)
+    assert (averaged.covered, averaged.group_size) == (((0, 1000),), 4)
 
 
 def fake_curve(job: SideJob) -> Curve:
