@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,12 +191,17 @@ class TrainingRun:
     # ----- training -----
 
     def inner_phase(
-        self, max_steps: int, deadline: float | None, stop: threading.Event, after_step: Callable[[], None]
+        self,
+        max_steps: int,
+        deadline: float | None,
+        stop: threading.Event | Sequence[threading.Event],
+        after_step: Callable[[], None],
     ) -> None:
-        """Inner steps until the round has `max_steps`, the deadline passes, or `stop` is set."""
+        """Inner steps until the round has `max_steps`, the deadline passes, or a `stop` event is set."""
         assert_training_thread("an inner phase")
+        stops = (stop,) if isinstance(stop, threading.Event) else tuple(stop)
         p = self.progress
-        while p.round_step < max_steps and not stop.is_set():
+        while p.round_step < max_steps and not any(s.is_set() for s in stops):
             if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
                 break
             batch = self.loader.next_batch()
