@@ -23,7 +23,7 @@ from swarmnode.core.data import ShardLoader, shard_for_node
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
-from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, TrainingSample, run_digest
+from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, run_digest
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
@@ -155,17 +155,6 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
             return await Node(parts, services, board, training, progress).run()
     finally:
         training.close()
-
-
-def _stats(sample: TrainingSample) -> dict[str, float | None]:
-    return training_stats(
-        time.time(),
-        sample.inner_step,
-        sample.tokens,
-        sample.last_loss,
-        sample.heldout_loss,
-        sample.tokens_per_s,
-    )
 
 
 def phase_before_round(last_round: RoundResult | None) -> Phase:
@@ -383,7 +372,7 @@ class Node:
         """The round's Δ, range and weight (on the training thread), its range opened in the ledger."""
         run = self.run_state
         start = await self.training.run(run.prepare_round)
-        stats = _stats(run.sample)
+        stats = training_stats(run.sample)
         await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
         self._open_round = start.outer_step
         return start
@@ -440,7 +429,7 @@ class Node:
             digest,
             group=result.group if group else (),
             included=result.included,
-            stats=_stats(self.run_state.sample),
+            stats=training_stats(self.run_state.sample),
         )
 
     # ----- catching up with the swarm -----
