@@ -268,6 +268,11 @@ def configure_client(security: Security) -> None:
     _client_security = security
 
 
+def client_security() -> Security:
+    """What `configure_client` set (no TLS, no token until then)."""
+    return _client_security
+
+
 def open_channel(address: str) -> grpc.aio.Channel:
     """A client channel to a peer's HOST:PORT with the swarm's message limits, keepalive, TLS and token
     (other services' clients use it too). Raises ValueError for a malformed address."""
