@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from swarmnode.core.ledger import check_dirs, cross_check
-from swarmnode.net.rpc import NodeStatus, PeerUnavailable
+from swarmnode.net.rpc import NodeStatus, PeerUnavailable, client_security
 from swarmnode.net.snapshot_client import fetch_snapshot, get_status
+from swarmnode.util.labels import FetchFailure
 
 
 def fetch_command(address: str, snapshot: str | None, out: Path) -> int:
@@ -56,13 +57,16 @@ def status_command(address: str, as_json: bool) -> int:
 
 _HANDSHAKE_SIGNS = ("Socket closed", "handshake", "SSL", "Connection reset", "Broken pipe")
 """What gRPC's UNAVAILABLE detail says when the server ended the connection during the TLS handshake
-(a node with --tls-ca requires a client certificate its CA signed; gRPC cannot tell the caller more)."""
+(a node with --tls-ca requires a client certificate its CA signed; gRPC cannot tell the caller more).
+A node that crashed mid-call says some of the same, so they count only from a client without one."""
 
 
 def refusal_line(command: str, address: str, exc: PeerUnavailable) -> str:
-    """The one line a failed call prints; a refused TLS handshake is named as such."""
+    """The one line a failed call prints; a refused TLS handshake is named as such when the client
+    had no certificate to show (`rpc.configure_client` without --tls-cert)."""
     detail = str(exc)
-    if exc.reason == "unreachable" and any(sign in detail for sign in _HANDSHAKE_SIGNS):
+    uncertified = client_security().tls_cert is None
+    if uncertified and exc.reason == FetchFailure.UNREACHABLE and any(s in detail for s in _HANDSHAKE_SIGNS):
         return (
             f"swarmnode {command}: {address} refused the TLS handshake (UNAVAILABLE): a node with --tls-ca "
             "requires a client certificate its CA signed; give --tls-ca, --tls-cert and --tls-key "

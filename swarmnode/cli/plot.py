@@ -57,15 +57,16 @@ def read_series(data_dir: Path) -> NodeSeries:
 
 def _progress_lines(data_dir: Path) -> Iterator[dict[str, Any]]:
     for log in sorted(data_dir.glob("*.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            if not line.startswith("{") or '"progress"' not in line:
-                continue
-            try:
-                sample = json.loads(line)
-            except ValueError:
-                continue
-            if sample.get("event") == "progress" and isinstance(sample.get("ts"), int | float):
-                yield sample
+        with log.open(errors="replace") as lines:  # a long run's log, a line at a time
+            for line in lines:
+                if not line.startswith("{") or '"progress"' not in line:
+                    continue
+                try:
+                    sample = json.loads(line)
+                except ValueError:
+                    continue
+                if sample.get("event") == "progress" and isinstance(sample.get("ts"), int | float):
+                    yield sample
 
 
 def plot_command(dirs: list[Path], out: Path) -> int:

@@ -172,23 +172,28 @@ class DilocoTrainer:
         self._copy_to_local(target, averaged.covered)
 
     @torch.no_grad()
-    def outer_step_overlapped(self, averaged: AveragedDelta, delta: torch.Tensor) -> None:
+    def outer_step_overlapped(self, averaged: AveragedDelta, delta: torch.Tensor | None = None) -> None:
         """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
-        overlapped outer step). `delta` is the round's Δ_r = θ_g − θ_r (θ_r: the local params when the
-        round ended); θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as in
-        `outer_step`, and θ is moved as blocking DiLoCo would have moved θ_r, keeping δ:
+        overlapped outer step). Δ_r = θ_g − θ_r is this round's `pseudo_gradient()` (θ_r: the local
+        params when the round ended; nothing takes Δ again before its step is applied), never what was
+        sent for it (a poisoned copy, under the test faults); θ has since moved on to θ_r + δ. θ_g takes
+        the same Nesterov step as in `outer_step`, and θ is moved as blocking DiLoCo would have moved
+        θ_r, keeping δ:
             θ ← θ + (θ_g' − θ_g) + Δ_r   on covered ranges whose average holds our Δ (θ = θ_g' + δ),
             θ ← θ + (θ_g' − θ_g)         on carried ranges (θ_g' − Δ_r + δ: our work stays local),
             θ unchanged                  elsewhere (θ_g' = θ_g there).
-        With δ = 0 this is exactly `outer_step`. δ's batches are the next round's: its Δ carries them."""
-        shift = self.global_flat.clone()
+        With δ = 0 this is exactly `outer_step`. δ's batches are the next round's: its Δ carries them.
+        `delta`: only for callers that kept their own copy of that same Δ_r (bench/quality.py)."""
+        own = self._delta if delta is None else delta
+        shifts = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
-        shift.neg_().add_(self.global_flat)
-        for a, b in averaged.covered:
-            shift[a:b].add_(delta[a:b])
-        for a, b in averaged.carried:
-            shift[a:b].sub_(delta[a:b])
-        self._add_to_local(shift)
+        for (a, b), shift in zip(averaged.covered, shifts, strict=True):
+            shift.neg_().add_(self.global_flat[a:b]).add_(own[a:b])
+            for c, d in averaged.carried:
+                lo, hi = max(a, c), min(b, d)
+                if lo < hi:
+                    shift[lo - a : hi - a].sub_(own[lo:hi])
+            self._add_to_local(shift, a)
 
     @torch.no_grad()
     def outer_step_on_global(self, averaged: AveragedDelta) -> None:
@@ -200,9 +205,13 @@ class DilocoTrainer:
             self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
         self._global_digest = None
 
-    def _add_to_local(self, flat: torch.Tensor) -> None:
+    def _add_to_local(self, piece: torch.Tensor, start: int) -> None:
+        """θ[start : start + len(piece)] += piece (flat positions)."""
+        end = start + piece.numel()
         for slot, p in zip(self.slots, self.params, strict=True):
-            p.data.view(-1).add_(flat[slot.offset : slot.offset + slot.numel])
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                p.data.view(-1)[lo - slot.offset : hi - slot.offset].add_(piece[lo - start : hi - start])
 
     def global_changed(self) -> None:
         """θ_g was modified in place from outside (tests): drop the cached digest."""

@@ -34,7 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from swarmnode.util import clock
+
+if TYPE_CHECKING:
+    from swarmnode.core.training import TrainingSample
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +124,12 @@ them; `check` ignores them): unix seconds, the node's inner steps and tokens so 
 loss, the held-out loss of its global params and its training tokens per second."""
 
 
-def training_stats(
-    ts: float, inner_step: int, tokens: int, loss: float | None, heldout: float | None, tokens_per_s: float
-) -> dict[str, float | None]:
-    """A ledger entry's `STATS`, from the node's published training sample."""
-    return dict(zip(STATS, (round(ts, 3), inner_step, tokens, loss, heldout, tokens_per_s), strict=True))
+def training_stats(sample: TrainingSample) -> dict[str, float | None]:
+    """A ledger entry's `STATS`, from the node's published training sample, at the node's clock's now
+    (`util.clock`: a skewed node's ledger shows its skew, as its snapshots' `created_at` does)."""
+    s = sample
+    figures = (round(clock.now(), 3), s.inner_step, s.tokens, s.last_loss, s.heldout_loss, s.tokens_per_s)
+    return dict(zip(STATS, figures, strict=True))
 
 
 def read_ledger(data_dir: Path) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,16 +87,15 @@ class RoundStart:
     end: dict[str, int]
     """The loader's cursor: where it ends."""
     delta: torch.Tensor
-    """Δ = θ_g − θ, a buffer the trainer reuses: unchanged until the round's outer step is applied."""
+    """Δ = θ_g − θ as sent to the swarm (the trainer's own buffer, or its poisoned copy under the test
+    faults): unchanged until the round's outer step is applied, which uses the trainer's own Δ."""
     weight: float
     """Tokens trained in the round (and in rounds carried into it): the averaging weight."""
     global_digest: str
     in_swarm: bool
     """Whether the lineage holds other nodes' work (a round without a group is then held)."""
-    steps: int = 0
+    steps: int
     """Inner steps in the round when it ended (an overlapped outer step leaves later ones to the next)."""
-    tokens: int = 0
-    """`round_tokens` when it ended."""
 
 
 def _point(cursor: dict[str, int]) -> tuple[int, int, int]:
@@ -192,12 +191,17 @@ class TrainingRun:
     # ----- training -----
 
     def inner_phase(
-        self, max_steps: int, deadline: float | None, stop: threading.Event, after_step: Callable[[], None]
+        self,
+        max_steps: int,
+        deadline: float | None,
+        stop: threading.Event | Sequence[threading.Event],
+        after_step: Callable[[], None],
     ) -> None:
-        """Inner steps until the round has `max_steps`, the deadline passes, or `stop` is set."""
+        """Inner steps until the round has `max_steps`, the deadline passes, or a `stop` event is set."""
         assert_training_thread("an inner phase")
+        stops = (stop,) if isinstance(stop, threading.Event) else tuple(stop)
         p = self.progress
-        while p.round_step < max_steps and not stop.is_set():
+        while p.round_step < max_steps and not any(s.is_set() for s in stops):
             if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
                 break
             batch = self.loader.next_batch()
@@ -242,7 +246,6 @@ class TrainingRun:
             self.trainer.global_digest(),
             in_swarm,
             p.round_step,
-            p.round_tokens,
         )
 
     def apply_outer(
@@ -264,14 +267,14 @@ class TrainingRun:
         if overlapped is None:
             self.trainer.outer_step(averaged)
         else:
-            self.trainer.outer_step_overlapped(averaged, overlapped.delta)
+            self.trainer.outer_step_overlapped(averaged)
         p = self.progress
         p.outer_step += 1
         p.round_step = p.round_step - overlapped.steps if overlapped is not None else 0
         if averaged.covered:
             p.swarm_cursors = {**p.swarm_cursors, **round_cursors}
         if averaged.covered and not averaged.carried:
-            p.round_tokens = p.round_tokens - overlapped.tokens if overlapped is not None else 0
+            p.round_tokens = p.round_tokens - int(overlapped.weight) if overlapped is not None else 0
             p.committed_cursor = dict(overlapped.end) if overlapped is not None else self.loader.state_dict()
         p.last_round = round_info
         p.heldout_loss = self.trainer.evaluate(self.heldout)

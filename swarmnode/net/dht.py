@@ -3,7 +3,7 @@
 Records, their validation and their storage are ``dht_records``; this module is the network side:
 
 - Every entry is validated before it is stored (``rpc_store``) and again in every look-up answer a reader
-  receives; failures are dropped and counted through ``on_reject(reason)``, reason one of ``REJECT_REASONS``.
+  receives; failures are dropped and counted through ``on_reject(reason)``, reason a ``DHTReject``.
 - ``get`` asks the k closest nodes and merges all their answers with the local copy.
 - A node re-announces only its own records (at least every ``ttl/3``, re-signed with a higher ``seq``);
   other nodes' entries live on only while their publishers keep announcing them.
@@ -30,7 +30,6 @@ from swarmnode.net.dht_records import (
     MAX_VALUE_BYTES,
     DHTEntry,
     EntryStorage,
-    RejectReason,
     dht_key,
     encode_value,
     merge_entries,
@@ -38,10 +37,10 @@ from swarmnode.net.dht_records import (
     to_dht_entry,
     verify_answers,
 )
-from swarmnode.net.dht_records import REJECT_REASONS as REJECT_REASONS  # re-exported for callers
 from swarmnode.net.identity import Identity
 from swarmnode.net.kademlia_adapter import TAG_BYTES, UNVERIFIED_TIMEOUT_FRACTION, SwarmProtocol, SwarmServer
 from swarmnode.util import clock
+from swarmnode.util.labels import DHTReject
 from swarmnode.util.validate import parse_host_port
 
 logger = logging.getLogger(__name__)
@@ -320,7 +319,7 @@ class SwarmDHT:
         merged = merge_entries([*self._storage.entries(dkey), *remote])
         return {sub: to_dht_entry(e) for sub, e in merged.items() if e.expires_at > now}
 
-    def _report_rejection(self, reason: RejectReason) -> None:
+    def _report_rejection(self, reason: DHTReject) -> None:
         if self._server is not None:
             self._server.protocol.report_rejection(reason, "a look-up answer")
 

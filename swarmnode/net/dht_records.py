@@ -6,8 +6,8 @@ What it promises:
   dictionary: one entry per publisher, under the publisher's node id (hex). An entry is a JSON object plus
   ``seq`` and ``expires_at``, signed with the publisher's Ed25519 key. The node id is always derived from the
   public key the entry carries, never taken from the wire, so nobody can announce for another node.
-- ``decode_and_verify_entry`` validates a received entry completely, or raises ``EntryRejected`` with one of
-  ``REJECT_REASONS``.
+- ``decode_and_verify_entry`` validates a received entry completely, or raises ``EntryRejected`` with a
+  ``DHTReject``.
 - Entries merge per publisher: the higher ``seq`` wins, an equal ``seq`` keeps the entry already held.
   ``EntryStorage`` culls each entry at its own signed ``expires_at`` (kademlia's ages values by insertion
   time).
@@ -52,9 +52,6 @@ MAX_TOTAL_KEYS = 2048
 MAX_TOTAL_ENTRIES = 8192
 """Entries (all keys, all publishers) one storing node holds at most: ~10 MB worst case."""
 
-RejectReason = DHTReject
-REJECT_REASONS = tuple(DHTReject)
-
 # Wire form of an entry: version, public key, signature, seq, expires_at, then the canonical JSON value.
 _WIRE_VERSION = 1
 _HEADER = struct.Struct(">B32s64sQd")
@@ -67,15 +64,15 @@ MAX_SEQ = 2**64 - 1
 
 
 class EntryRejected(ValueError):
-    """An entry failed validation; ``reason`` is one of ``REJECT_REASONS``.
+    """An entry failed validation; ``reason`` is a ``DHTReject``.
 
     ``counted`` is False for an entry that expired less than ``CLOCK_SKEW_S`` ago: honest nodes send those
     when an entry expires in flight or their clocks differ a little, so they are dropped without a count.
     """
 
-    def __init__(self, reason: RejectReason, counted: bool = True) -> None:
+    def __init__(self, reason: DHTReject, counted: bool = True) -> None:
         super().__init__(reason)
-        self.reason: RejectReason = reason
+        self.reason: DHTReject = reason
         self.counted = counted
 
 
@@ -204,7 +201,7 @@ def merge_entries(entries: Iterable[SignedEntry]) -> dict[str, SignedEntry]:
 
 
 def verify_answers(
-    dkey: bytes, blobs: Iterable[object], now: float, on_reject: Callable[[RejectReason], None]
+    dkey: bytes, blobs: Iterable[object], now: float, on_reject: Callable[[DHTReject], None]
 ) -> list[SignedEntry]:
     """The valid entries among look-up answers (each distinct blob checked once); the rest reported."""
     valid: list[SignedEntry] = []

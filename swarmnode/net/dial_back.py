@@ -16,8 +16,6 @@ caller can tell "nobody could reach me" from "nobody told me".
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +25,8 @@ import grpc
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.proto.v1 import reachability_pb2 as pb
 from swarmnode.proto.v1 import reachability_pb2_grpc as pb_grpc
+from swarmnode.util.labels import ProbeResult
+from swarmnode.util.ratelimit import TokenBuckets
 from swarmnode.util.validate import is_node_id_hex
 
 logger = logging.getLogger(__name__)
@@ -51,39 +51,15 @@ class DialBackAnswer:
 
 
 def observed_host(peer: str) -> str | None:
-    """The caller's host in a gRPC peer string ("ipv4:10.0.0.5:40312" -> "10.0.0.5", "ipv6:[::1]:5"
+    """The caller's bare host in a gRPC peer string ("ipv4:10.0.0.5:40312" -> "10.0.0.5", "ipv6:[::1]:5"
     -> "::1"); None for anything else (a unix socket has no host to dial)."""
-    scheme, _, rest = peer.partition(":")
-    if scheme not in ("ipv4", "ipv6") or ":" not in rest:
-        return None
-    host = rest.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    address = rpc.peer_address(peer)
+    return address[1] if address is not None else None
 
 
 def dial_target(host: str, port: int) -> str:
     """HOST:PORT as the gRPC client takes it (IPv6 hosts in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _CallerBudget:
-    """A token bucket per caller host (`burst` deep, one token back per `refill_s`); beyond
-    `max_callers` the least recently seen host is forgotten."""
-
-    def __init__(
-        self, burst: int, refill_s: float, max_callers: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._burst, self._refill_s, self._max, self._clock = burst, refill_s, max_callers, clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host -> (tokens, when)
-
-    def take(self, host: str) -> bool:
-        now = self._clock()
-        tokens, then = self._buckets.pop(host, (float(self._burst), now))
-        tokens = min(float(self._burst), tokens + (now - then) / self._refill_s)
-        allowed = tokens >= 1.0
-        self._buckets[host] = (tokens - 1.0 if allowed else tokens, now)
-        if len(self._buckets) > self._max:
-            self._buckets.popitem(last=False)
-        return allowed
 
 
 class DialBackServicer:
@@ -92,14 +68,14 @@ class DialBackServicer:
 
     def __init__(
         self,
-        on_dial: Callable[[str], None] | None = None,
+        on_dial: Callable[[ProbeResult], None] | None = None,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
-        budget: _CallerBudget | None = None,
+        budget: TokenBuckets | None = None,
     ) -> None:
-        """`on_dial(result)` counts each call: "reachable", "unreachable", "throttled" or "invalid"."""
+        """`on_dial(result)` counts each call: reachable, unreachable, throttled or invalid."""
         self._on_dial = on_dial
         self._dial_timeout_s = dial_timeout_s
-        self._budget = budget or _CallerBudget(DIAL_BACK_BURST, DIAL_BACK_REFILL_S, MAX_TRACKED_CALLERS)
+        self._budget = budget or TokenBuckets(1 / DIAL_BACK_REFILL_S, DIAL_BACK_BURST, MAX_TRACKED_CALLERS)
         self._in_flight = 0
 
     def register(self, server: grpc.aio.Server) -> str:
@@ -109,18 +85,18 @@ class DialBackServicer:
     async def DialBack(self, request: pb.DialBackRequest, context: Any) -> pb.DialBackReply:
         host = observed_host(context.peer())
         if host is None or not 0 < request.port < 65536 or not is_node_id_hex(request.node_id):
-            self._count("invalid")
+            self._count(ProbeResult.INVALID)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad port or node id, or no host to dial")
         assert host is not None
         if self._in_flight >= MAX_DIALS_IN_FLIGHT or not self._budget.take(host):
-            self._count("throttled")
+            self._count(ProbeResult.THROTTLED)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs; ask later")
         self._in_flight += 1
         try:
             reason = await self._dial(dial_target(host, request.port), request.node_id)
         finally:
             self._in_flight -= 1
-        self._count("unreachable" if reason else "reachable")
+        self._count(ProbeResult.UNREACHABLE if reason else ProbeResult.REACHABLE)
         return pb.DialBackReply(reachable=not reason, observed_host=host, reason=reason)
 
     async def _dial(self, target: str, node_id: str) -> str:
@@ -134,7 +110,7 @@ class DialBackServicer:
             return f"another node ({status.node_id[:12]}) answers at {target}"
         return ""
 
-    def _count(self, result: str) -> None:
+    def _count(self, result: ProbeResult) -> None:
         if self._on_dial is not None:
             self._on_dial(result)
 

@@ -75,19 +75,19 @@ from kademlia.protocol import KademliaProtocol
 from kademlia.utils import gather_dict
 from rpcudp.exceptions import MalformedMessage
 
-from swarmnode.net.dht_records import REJECT_REASONS as REJECT_REASONS  # re-exported for callers
 from swarmnode.net.dht_records import (
     EntryRejected,
     EntryStorage,
     MergeResult,
-    RejectReason,
     SignedEntry,
     decode_and_verify_entry,
     encode_entry,
 )
 from swarmnode.net.identity import NODE_ID_BYTES
 from swarmnode.util import clock
+from swarmnode.util.aio import settle
 from swarmnode.util.labels import DHTReject
+from swarmnode.util.ratelimit import TokenBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -217,19 +217,6 @@ def _parse_value_answer(answer: object) -> tuple[list[object], list[Node]]:
     return (blobs[:MAX_ANSWER_ITEMS] if isinstance(blobs, list) else []), _parse_contacts(answer.get("nodes"))
 
 
-def _freshest_that_fit(entries: list[SignedEntry], budget: int, keep_order: bool = False) -> list[bytes]:
-    """Encoded entries, latest expiry first (or in the given order), as many as fit in ``budget`` bytes."""
-    blobs = []
-    ordered = entries if keep_order else sorted(entries, key=lambda e: e.expires_at, reverse=True)
-    for entry in ordered:
-        blob = encode_entry(entry)
-        budget -= len(blob) + 3  # msgpack's bin16 header
-        if budget < 0:
-            break
-        blobs.append(blob)
-    return blobs
-
-
 def _sample_that_fit(entries: list[SignedEntry], budget: int) -> list[bytes]:
     """Every entry, freshest first, when they fit in ``budget`` bytes; else a random sample that fits.
 
@@ -237,9 +224,17 @@ def _sample_that_fit(entries: list[SignedEntry], budget: int) -> list[bytes]:
     fit) would otherwise answer every reader with the same freshest ones, and the oldest — the round's
     leader, whose offer came first — would reach nobody who does not hold the key itself. Each of the
     k answers a look-up merges is its own sample, so together they cover the key."""
-    if sum(len(encode_entry(e)) + 3 for e in entries) <= budget:
-        return _freshest_that_fit(entries, budget)
-    return _freshest_that_fit(random.sample(entries, len(entries)), budget, keep_order=True)
+    encoded = [(entry.expires_at, encode_entry(entry)) for entry in entries]  # each encoded once
+    if sum(len(blob) + 3 for _, blob in encoded) <= budget:  # msgpack's bin16 header
+        return [blob for _, blob in sorted(encoded, key=lambda pair: pair[0], reverse=True)]
+    random.shuffle(encoded)  # our own list: the caller's stays as it was
+    blobs = []
+    for _, blob in encoded:
+        budget -= len(blob) + 3
+        if budget < 0:
+            break
+        blobs.append(blob)
+    return blobs
 
 
 def datagram_tag(key: bytes, data: bytes) -> bytes:
@@ -259,28 +254,6 @@ class _TaggingTransport:
 
 
 # --- admission ----------------------------------------------------------------------------------------------
-
-
-class _TokenBuckets:
-    """A token bucket per source (``rate_per_s`` refill, ``burst`` deep). Beyond ``max_sources`` the least
-    recently seen source is forgotten: it starts again with a full bucket."""
-
-    def __init__(
-        self, rate_per_s: float, burst: int, max_sources: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._rate, self._burst, self._max_sources, self._clock = rate_per_s, burst, max_sources, clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # source -> (tokens, when)
-
-    def take(self, source: str) -> bool:
-        """Spend one of ``source``'s tokens; False (nothing spent) when it has none left."""
-        now = self._clock()
-        tokens, then = self._buckets.pop(source, (float(self._burst), now))
-        tokens = min(float(self._burst), tokens + (now - then) * self._rate)
-        allowed = tokens >= 1.0
-        self._buckets[source] = (tokens - 1.0 if allowed else tokens, now)
-        if len(self._buckets) > self._max_sources:
-            self._buckets.popitem(last=False)
-        return allowed
 
 
 _Candidate = tuple[str, int, bytes]  # (ip, port, node id) of a contact to verify
@@ -371,7 +344,7 @@ class SwarmProtocol(KademliaProtocol):
         self._on_reject = on_reject
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: set[str] = set()
-        self._strangers = _TokenBuckets(STRANGER_RATE_PER_S, STRANGER_BURST, MAX_TRACKED_SOURCES)
+        self._strangers = TokenBuckets(STRANGER_RATE_PER_S, STRANGER_BURST, MAX_TRACKED_SOURCES)
         self._slots = _VerificationSlots(
             MAX_VERIFYING_PER_SOURCE, MAX_VERIFYING, VERIFY_RETRY_S, MAX_TRACKED_SOURCES
         )
@@ -381,7 +354,7 @@ class SwarmProtocol(KademliaProtocol):
         """Addresses of other processes that answered our ping with our own node id (one identity key
         in two processes: the node refuses to go on, see `SwarmDHT.twin_addresses`)."""
 
-    def report_rejection(self, reason: RejectReason, sender: object = None, what: str = "an entry") -> None:
+    def report_rejection(self, reason: DHTReject, sender: object = None, what: str = "an entry") -> None:
         """Count a refused entry (or ``what`` else); log the first of each reason at warning, the rest at
         debug level."""
         level = logging.DEBUG if reason in self._warned else logging.WARNING
@@ -689,10 +662,7 @@ class SwarmProtocol(KademliaProtocol):
 
     async def aclose(self) -> None:
         """Cancel our tasks and answer every outstanding request with a failure."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await settle(*self._tasks)
         for future, timeout in list(self._outstanding.values()):
             timeout.cancel()
             if not future.done():

@@ -14,7 +14,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
@@ -219,16 +219,25 @@ def encode_data_chunk(offset: int, data: bytes | memoryview, trailer: bytes = b"
     return b"".join((b"\x10", _varint(offset), b"\x1a", _varint(len(data)), data, trailer))
 
 
+def peer_address(peer: str) -> tuple[str, str] | None:
+    """(scheme, host) of a gRPC peer string ("ipv4:10.0.0.5:40312" -> ("ipv4", "10.0.0.5"), "ipv6:[::1]:5"
+    -> ("ipv6", "::1"): the host without its port or brackets); None for anything else (a unix socket
+    has no host)."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    host = rest.rsplit(":", 1)[0]
+    return scheme, host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors and channels
 
-FailureReason = Literal["unreachable", "refused", "hash_mismatch", "truncated", "too_large", "timeout"]
-
 
 class PeerUnavailable(PeerFault):
-    """A peer could not answer; `reason` is one of `FailureReason`."""
+    """A peer could not answer, for `reason`."""
 
-    def __init__(self, reason: FailureReason, detail: str) -> None:
+    def __init__(self, reason: FetchFailure, detail: str) -> None:
         super().__init__(FetchFailure(reason), detail)
 
 
@@ -258,6 +267,11 @@ def configure_client(security: Security) -> None:
     identity: set once at start, before any call)."""
     global _client_security
     _client_security = security
+
+
+def client_security() -> Security:
+    """What `configure_client` set (no TLS, no token until then)."""
+    return _client_security
 
 
 def open_channel(address: str) -> grpc.aio.Channel:

@@ -11,8 +11,8 @@ every RPC (README "Trust" has the threat model).
   the server requires a client certificate it signed *in the TLS handshake*: a caller without one never
   reaches a handler, not even health; gRPC reports that refusal to the caller as UNAVAILABLE (the
   server closes the connection during the handshake), which `swarmnode status/fetch` explain in one
-  line. A node's certificate names its node id as its subject common name (`NODE_ID_PATTERN`), so the
-  averaging reducer knows which member is speaking from the connection itself
+  line. A node's certificate names its node id (`util.validate.is_node_id_hex`) as its subject common
+  name, so the averaging reducer knows which member is speaking from the connection itself
   (`authenticated_node_id`); a node refuses to start with a certificate that names another id.
   There is no per-call proof: a handshake cannot be replayed to another node or for another request.
 """
@@ -25,7 +25,6 @@ import functools
 import hashlib
 import hmac
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +36,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
+from swarmnode.util.validate import is_node_id_hex
+
 TOKEN_HEADER = "x-swarmnode-token"
-NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")
-"""A node id as a certificate's common name names it: 40 lowercase hex digits."""
 _REFUSAL = "this swarm requires credentials the call did not carry"
 
 
@@ -56,7 +55,7 @@ class Security:
     def from_files(cls, token: str | None, cert: Path | None, key: Path | None, ca: Path | None) -> Security:
         """Read the PEM files; ValueError naming the flag when one cannot be read or parsed."""
         security = cls(token, _read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(ca, "--tls-ca"))
-        _ = security._client_identity  # parsed now: a bad certificate or key fails at start-up
+        _ = security._certificate  # parsed now: a bad certificate or key fails at start-up
         return security
 
     @property
@@ -81,11 +80,10 @@ class Security:
     def check_node_certificate(self, node_id: str) -> None:
         """With mutual TLS, the node's certificate must name `node_id` as its common name (peers take
         the sender of averaging messages from it); ValueError naming --tls-cert otherwise."""
-        if not self.mutual_tls or self.tls_cert is None:
+        certificate = self._certificate if self.mutual_tls else None
+        if certificate is None:
             return
-        names = x509.load_pem_x509_certificate(self.tls_cert).subject.get_attributes_for_oid(
-            x509.NameOID.COMMON_NAME
-        )
+        names = certificate.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
         common_name = str(names[0].value) if names else ""
         if common_name != node_id:
             raise ValueError(
@@ -105,8 +103,9 @@ class Security:
         return [(TOKEN_HEADER, self.token)] if self.token else []
 
     @functools.cached_property
-    def _client_identity(self) -> tuple[bytes, Any] | None:
-        """The DER certificate and its private key, parsed once (so bad files fail at start-up)."""
+    def _certificate(self) -> x509.Certificate | None:
+        """The node's certificate, parsed once and its private key checked (so bad files fail at
+        start-up); None without both."""
         if self.tls_cert is None or self.tls_key is None:
             return None
         try:
@@ -119,7 +118,7 @@ class Security:
             raise ValueError(f"--tls-key: not an unencrypted PEM private key: {exc}") from None
         if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey):
             raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
-        return cert.public_bytes(serialization.Encoding.DER), key
+        return cert
 
     def dht_namespace(self, run_id: str) -> str:
         """The run's name in DHT keys: with a token, one that only token holders can compute."""
@@ -156,7 +155,7 @@ def authenticated_node_id(context: Any) -> str | None:
     except (AttributeError, RuntimeError):
         return None
     name = names[0].decode("ascii", "replace") if len(names) == 1 else ""
-    return name if NODE_ID_PATTERN.fullmatch(name) else None
+    return name if is_node_id_hex(name) else None
 
 
 class _Credentials:

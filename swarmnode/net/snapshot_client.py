@@ -31,7 +31,6 @@ import tenacity
 
 from swarmnode.net.rpc import (
     ChannelCache,
-    FailureReason,
     NodeStatus,
     PeerUnavailable,
     SnapshotMeta,
@@ -42,6 +41,7 @@ from swarmnode.net.rpc import (
 )
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
+from swarmnode.util.labels import FetchFailure
 from swarmnode.util.validate import is_sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -69,13 +69,13 @@ class FetchResult:
     metadata: SnapshotMeta
 
 
-def _reason_for(exc: grpc.aio.AioRpcError) -> FailureReason:
+def _reason_for(exc: grpc.aio.AioRpcError) -> FetchFailure:
     code = exc.code()
     if code in _REFUSED_CODES:
-        return "refused"
+        return FetchFailure.REFUSED
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return "timeout"
-    return "unreachable" if code == grpc.StatusCode.UNAVAILABLE else "truncated"
+        return FetchFailure.TIMEOUT
+    return FetchFailure.UNREACHABLE if code == grpc.StatusCode.UNAVAILABLE else FetchFailure.TRUNCATED
 
 
 def _check_sha256(value: str | None, what: str) -> None:
@@ -178,15 +178,17 @@ class _HashOnly:
 def _check_digest(hashed: Any, snapshot_id: str) -> None:
     digest = hashed.hexdigest()
     if digest != snapshot_id:
-        raise SnapshotUnavailable("hash_mismatch", f"received bytes hash to {digest}, not {snapshot_id}")
+        raise SnapshotUnavailable(
+            FetchFailure.HASH_MISMATCH, f"received bytes hash to {digest}, not {snapshot_id}"
+        )
 
 
 class _Broken(Exception):
     """The stream broke or ended early; the transfer may resume from the bytes it has."""
 
-    def __init__(self, reason: FailureReason, detail: str) -> None:
+    def __init__(self, reason: FetchFailure, detail: str) -> None:
         super().__init__(detail)
-        self.reason: FailureReason = reason
+        self.reason: FetchFailure = reason
 
 
 MIN_TRANSFER_S = 60.0
@@ -231,7 +233,7 @@ class _Download:
 
     def _resumable(self, exc: BaseException) -> bool:
         """A broken stream resumes, unless the peer was never reached at all."""
-        return isinstance(exc, _Broken) and not (exc.reason == "unreachable" and self.meta is None)
+        return isinstance(exc, _Broken) and not (exc.reason == FetchFailure.UNREACHABLE and self.meta is None)
 
     def _log_resume(self, state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -245,7 +247,7 @@ class _Download:
         try:
             first = await self._next(call)
             if first is None or not first.HasField("meta"):
-                raise _Broken("truncated", "stream ended before its metadata")
+                raise _Broken(FetchFailure.TRUNCATED, "stream ended before its metadata")
             self._accept_meta(meta_from_pb(first.meta))
             while (msg := await self._next(call)) is not None:
                 await self._accept_chunk(msg)
@@ -253,7 +255,9 @@ class _Download:
             call.cancel()
         assert self.meta is not None
         if self.part.size < self.meta.size_bytes:
-            raise _Broken("truncated", f"stream ended at byte {self.part.size} of {self.meta.size_bytes}")
+            raise _Broken(
+                FetchFailure.TRUNCATED, f"stream ended at byte {self.part.size} of {self.meta.size_bytes}"
+            )
 
     def _request_id(self) -> str:
         if self.meta is not None:  # a resume asks for exactly what the first stream announced
@@ -272,15 +276,15 @@ class _Download:
             # A resume may find the server still holding the broken stream's slot (--max-serving-per-peer):
             # that refusal is worth the backoff and another try, like the break itself.
             busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.part.size > 0
-            if reason in ("refused", "timeout") and not busy:
+            if reason in (FetchFailure.REFUSED, FetchFailure.TIMEOUT) and not busy:
                 raise SnapshotUnavailable(reason, f"{self.address}: {exc.details()}") from None
             raise _Broken(reason, f"{exc.code().name}: {exc.details()}") from None
         return None if msg is grpc.aio.EOF else msg
 
-    def _silence_reason(self) -> FailureReason:
+    def _silence_reason(self) -> FetchFailure:
         """A peer we never got a gRPC connection to is unreachable; one that went quiet timed out."""
         connected = self.channel.get_state() == grpc.ChannelConnectivity.READY
-        return "unreachable" if self.meta is None and not connected else "timeout"
+        return FetchFailure.UNREACHABLE if self.meta is None and not connected else FetchFailure.TIMEOUT
 
     def _silence_detail(self) -> str:
         return f"{self.address}: no message for {self.chunk_timeout_s:g} s at byte {self.part.size}"
@@ -288,15 +292,18 @@ class _Download:
     def _accept_meta(self, meta: SnapshotMeta) -> None:
         """Checks a stream's metadata against the request, the limits and earlier streams."""
         if self.meta is not None and meta != self.meta:
-            raise SnapshotUnavailable("refused", f"{self.address} changed the snapshot's metadata on resume")
+            raise SnapshotUnavailable(
+                FetchFailure.REFUSED, f"{self.address} changed the snapshot's metadata on resume"
+            )
         for expected in (self.expected_sha256, self.wanted_id):
             if expected is not None and meta.snapshot_id != expected:
                 raise SnapshotUnavailable(
-                    "hash_mismatch", f"{self.address} offered snapshot {meta.snapshot_id}, not {expected}"
+                    FetchFailure.HASH_MISMATCH,
+                    f"{self.address} offered snapshot {meta.snapshot_id}, not {expected}",
                 )
         if self.max_bytes is not None and meta.size_bytes > self.max_bytes:
             raise SnapshotUnavailable(
-                "too_large",
+                FetchFailure.TOO_LARGE,
                 f"snapshot {meta.snapshot_id[:12]} has {meta.size_bytes} bytes, over {self.max_bytes}",
             )
         self.meta = meta
@@ -304,14 +311,18 @@ class _Download:
     async def _accept_chunk(self, msg: pb.FetchSnapshotChunk) -> None:
         assert self.meta is not None
         if msg.offset != self.part.size:
-            raise _Broken("truncated", f"chunk at offset {msg.offset}, expected {self.part.size}")
+            raise _Broken(FetchFailure.TRUNCATED, f"chunk at offset {msg.offset}, expected {self.part.size}")
         data = msg.data
         if not data:  # a peer dribbling empty messages would never end the transfer
-            raise _Broken("truncated", f"an empty chunk at byte {self.part.size}")
+            raise _Broken(FetchFailure.TRUNCATED, f"an empty chunk at byte {self.part.size}")
         if time.monotonic() - self.started > MIN_TRANSFER_S + self.meta.size_bytes / MIN_RATE_BYTES_S:
-            raise SnapshotUnavailable("timeout", f"{self.address}: the transfer ran below the minimum rate")
+            raise SnapshotUnavailable(
+                FetchFailure.TIMEOUT, f"{self.address}: the transfer ran below the minimum rate"
+            )
         if self.part.size + len(data) > self.meta.size_bytes:
-            raise SnapshotUnavailable("too_large", f"{self.address} sent more than the announced size")
+            raise SnapshotUnavailable(
+                FetchFailure.TOO_LARGE, f"{self.address} sent more than the announced size"
+            )
         await self.part.write(data)
         if self.on_bytes is not None:
             self.on_bytes(len(data))

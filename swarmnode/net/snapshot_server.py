@@ -53,6 +53,7 @@ from swarmnode.net.rpc import (
     SnapshotMeta,
     encode_data_chunk,
     meta_to_pb,
+    peer_address,
     serialize,
     status_to_pb,
 )
@@ -219,9 +220,14 @@ class _BoundedWriter:
 
 
 def peer_host(peer: str) -> str:
-    """The caller's address without its port ("ipv4:10.0.0.5:40312" -> "ipv4:10.0.0.5"): streams are
-    limited per host, since one machine can open connections from any number of ports."""
-    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+    """The caller's address without its port, scheme kept ("ipv4:10.0.0.5:40312" -> "ipv4:10.0.0.5",
+    "ipv6:[::1]:5" -> "ipv6:[::1]"; a peer with no host, as it is): streams are limited per host, since
+    one machine can open connections from any number of ports."""
+    address = peer_address(peer)
+    if address is None:
+        return peer
+    scheme, host = address
+    return f"{scheme}:[{host}]" if scheme == "ipv6" else f"{scheme}:{host}"
 
 
 def peer_key(context: Any) -> str:

@@ -108,13 +108,19 @@ class NodeConfig:
     @property
     def inner_schedule(self) -> InnerSchedule:
         """The inner learning-rate schedule: a cosine ends at --total-steps, or else after
-        --max-outer-steps rounds of --inner-steps; a constant one has no end."""
+        --max-outer-steps rounds of --inner-steps; a constant one has no end. ConfigError when a
+        cosine's end is not past its warm-up."""
         if self.lr_schedule == LrSchedule.CONSTANT:
             return InnerSchedule(LrSchedule.CONSTANT, self.inner_warmup_steps)
         total = self.total_steps
         if total is None and self.max_outer_steps is not None:
             total = self.max_outer_steps * self.inner_steps
-        return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
+        try:
+            return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
+        except ValueError:
+            raise ConfigError(
+                f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
+            ) from None
 
     @property
     def advertised_host(self) -> str:
@@ -160,11 +166,7 @@ def _check_schedule(cfg: NodeConfig) -> None:
         return
     if cfg.total_steps is None and cfg.max_outer_steps is None:
         raise ConfigError("--lr-schedule: cosine needs --total-steps (or --max-outer-steps), got 'cosine'")
-    total = cfg.total_steps or (cfg.max_outer_steps or 0) * cfg.inner_steps
-    if total <= cfg.inner_warmup_steps:
-        raise ConfigError(
-            f"--total-steps: must exceed --inner-warmup-steps ({cfg.inner_warmup_steps}), got {total}"
-        )
+    _ = cfg.inner_schedule  # its end past its warm-up, or ConfigError
 
 
 # ----- value parsers: each returns the value or raises ValueError with the reason -----

@@ -23,7 +23,7 @@ from swarmnode.core.data import ShardLoader, shard_for_node
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
-from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, TrainingSample, run_digest
+from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, run_digest
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
@@ -39,7 +39,8 @@ from swarmnode.swarm.membership import DuplicateIdentity, Membership
 from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
 from swarmnode.swarm.rounds import RoundResult
 from swarmnode.util import clock, faults
-from swarmnode.util.labels import RecoverySource
+from swarmnode.util.aio import settle
+from swarmnode.util.labels import RecoverySource, RoundFailure
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import TrainingThread
 
@@ -156,17 +157,6 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
         training.close()
 
 
-def _stats(sample: TrainingSample) -> dict[str, float | None]:
-    return training_stats(
-        time.time(),
-        sample.inner_step,
-        sample.tokens,
-        sample.last_loss,
-        sample.heldout_loss,
-        sample.tokens_per_s,
-    )
-
-
 def phase_before_round(last_round: RoundResult | None) -> Phase:
     """What a node does from the end of one round to its next inner phase: after a missed round (or a
     lost digest vote) the catch-up waits for the swarm's next step; after a round without a group it
@@ -204,9 +194,8 @@ class Node:
         self._pending_receipt: Receipt | None = None
         self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self._duplicate: DuplicateIdentity | None = None
-        self.round_in_flight = False  # --overlap: a round's all-reduce runs beside the inner phase
+        self.overlapped: OverlappedRounds | None = None  # --overlap on: its round loop
         self.snapshot_due = False  # a hot snapshot fell due while a round was in flight
-        self.extra_stop: threading.Event | None = None  # ends the current inner phase too
         self.membership = Membership(
             services.dht,
             parts.dht_run,
@@ -244,9 +233,9 @@ class Node:
             try:
                 await self._round_loop()
             finally:
-                reporter.cancel()
+                await settle(reporter)
         finally:
-            prober.cancel()
+            await settle(prober)
         await self.training.run(self._final_snapshot)
         if self._pending_receipt is not None:  # stopped before a single inner step
             self._write_receipt(self._pending_receipt)
@@ -273,8 +262,6 @@ class Node:
         if not self._stop.is_set():
             logger.info("stop requested: finishing the current step")
         self._stop.set()
-        if self.extra_stop is not None:
-            self.extra_stop.set()
 
     def _install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -286,7 +273,8 @@ class Node:
 
     async def _round_loop(self) -> None:
         if self.cfg.overlap == "on":
-            await OverlappedRounds(self).run()
+            self.overlapped = OverlappedRounds(self)
+            await self.overlapped.run()
             return
         last: RoundResult | None = None
         while not self._finished():
@@ -296,7 +284,7 @@ class Node:
             else:
                 if self.run_state.sample.round_step < self.cfg.inner_steps:
                     self.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
-                await self.training.run(self._inner_phase)
+                await self.training.run(self._inner_phase, (self._stop,), self.round_deadline())
             if self._stop.is_set():
                 break
             self.board.phase = Phase.OUTER
@@ -308,20 +296,34 @@ class Node:
         try:
             return await self._outer_step()
         except Exception:
-            logger.exception(
-                "round %d failed; its work stays local progress", self.run_state.sample.outer_step
-            )
-            self.metrics.round_failures.labels("error").inc()
-            if self._open_round is not None:  # the pending range is covered again by the next round
-                await asyncio.to_thread(self.parts.ledger.settle, self._open_round, RoundStatus.HELD, 1, None)
-                self._open_round = None
+            await self.round_failed()
             return None
 
-    def _inner_phase(self, stop: threading.Event | None = None, counted_steps: int = 0) -> None:
-        """`counted_steps`: steps of a round in flight that still count in the round (--overlap)."""
-        deadline = time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
+    async def round_failed(self) -> None:
+        """Called in the handler of a round's exception: logged with its traceback, counted, and the
+        round's open ledger range settled as held (the next round covers it again)."""
+        logger.exception("round %d failed; its work stays local progress", self.run_state.sample.outer_step)
+        self.metrics.round_failures.labels(RoundFailure.ERROR).inc()
+        if self._open_round is not None:
+            await asyncio.to_thread(self.parts.ledger.settle, self._open_round, RoundStatus.HELD, 1, None)
+            self._open_round = None
+
+    def round_deadline(self) -> float | None:
+        """The --inner-seconds time box of a round's inner phase starting now (taken once per round)."""
+        return time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
+
+    @property
+    def round_in_flight(self) -> bool:
+        """--overlap on: a round's all-reduce runs beside the inner phase."""
+        return self.overlapped is not None and self.overlapped.pending is not None
+
+    def _inner_phase(
+        self, stops: tuple[threading.Event, ...], deadline: float | None, counted_steps: int = 0
+    ) -> None:
+        """Until any of `stops` is set; `counted_steps`: steps of a round in flight that still count in
+        the round (--overlap)."""
         max_steps = self.cfg.inner_steps + counted_steps
-        self.run_state.inner_phase(max_steps, deadline, stop or self._stop, self._after_inner_step)
+        self.run_state.inner_phase(max_steps, deadline, stops, self._after_inner_step)
 
     async def _rejoin_phase(self) -> None:
         """A repaired node adopted a round the swarm is training: it trains that round only until the
@@ -334,19 +336,17 @@ class Node:
 
         async def watch() -> None:
             while not closing.is_set():
-                if self._stop.is_set() or await self.rounds.matchmaker.peer_offers(round_step):
+                if await self.rounds.matchmaker.peer_offers(round_step):
                     closing.set()
                     return
                 await asyncio.sleep(REJOIN_POLL_S)
 
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(watch(), name="rejoin-watch")
         try:
-            await self.training.run(self._inner_phase, closing)
+            await self.training.run(self._inner_phase, (self._stop, closing), self.round_deadline())
         finally:
             closing.set()
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watcher
+            await settle(watcher)
 
     def _after_inner_step(self) -> None:
         """On the training thread, after each inner step: the restart receipt, a hot snapshot when due."""
@@ -372,7 +372,7 @@ class Node:
         """The round's Δ, range and weight (on the training thread), its range opened in the ledger."""
         run = self.run_state
         start = await self.training.run(run.prepare_round)
-        stats = _stats(run.sample)
+        stats = training_stats(run.sample)
         await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
         self._open_round = start.outer_step
         return start
@@ -429,7 +429,7 @@ class Node:
             digest,
             group=result.group if group else (),
             included=result.included,
-            stats=_stats(self.run_state.sample),
+            stats=training_stats(self.run_state.sample),
         )
 
     # ----- catching up with the swarm -----

@@ -34,8 +34,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from swarmnode.core.ledger import RoundStatus
 from swarmnode.core.training import RoundStart
+from swarmnode.node.progress import Phase
 from swarmnode.swarm.rounds import RoundResult
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class OverlappedRounds:
         self.last: RoundResult | None = None
         self.verdict = False
         """A landed round says this node is behind or astray: the catch-up must look before more steps."""
+        self.deadline = node.round_deadline()
+        """The --inner-seconds time box of the round now training: taken once, when the round begins,
+        so a round landing mid-phase does not give it a second one."""
 
     async def run(self) -> None:
         node = self.node
@@ -67,18 +70,21 @@ class OverlappedRounds:
                 if self.pending is None and await node._catch_up(self.last):
                     await node._rejoin_phase()
                 else:
+                    if node.run_state.sample.round_step < node.cfg.inner_steps + self.pending_steps:
+                        node.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                     await self._train()
                 if node._stop.is_set():
                     break
                 if self.pending is not None:  # the inner phase ended before the average came
+                    node.board.phase = Phase.OUTER
                     await self._land()
                     continue
-                if self.verdict:  # it landed mid-phase: back to the catch-up first
-                    continue
+                if self.verdict or node._finished():  # it landed mid-phase: back to the catch-up first
+                    continue  # (or that was the last step: no round begins after --max-outer-steps)
                 start = await node._begin_round()
                 self.pending = asyncio.create_task(self._average(start), name=f"round-{start.outer_step}")
                 self.pending_steps = start.steps
-                node.round_in_flight = True
+                self.deadline = node.round_deadline()  # the next round trains from here
         finally:
             if self.pending is not None:
                 await self._land()
@@ -91,15 +97,11 @@ class OverlappedRounds:
         node = self.node
         while True:
             interrupt = threading.Event()
-            node.extra_stop = interrupt
-            if node._stop.is_set():
-                interrupt.set()
             if self.pending is not None:
                 self.pending.add_done_callback(_setter(interrupt))
-            try:
-                await node.training.run(node._inner_phase, interrupt, self.pending_steps)
-            finally:
-                node.extra_stop = None
+            await node.training.run(
+                node._inner_phase, (node._stop, interrupt), self.deadline, self.pending_steps
+            )
             if self.pending is None or not self.pending.done() or node._stop.is_set():
                 return
             await self._land()
@@ -117,14 +119,8 @@ class OverlappedRounds:
             self.last = await node._finish_round(start, result, overlapped=True)
             self.verdict = self.last.missed or bool(self.last.repair_from)
         except Exception:
-            logger.exception("overlapped round failed; its work stays local progress")
-            node.metrics.round_failures.labels("error").inc()
-            if node._open_round is not None:
-                await asyncio.to_thread(node.parts.ledger.settle, node._open_round, RoundStatus.HELD, 1, None)
-                node._open_round = None
+            await node.round_failed()
             self.last = None
-        finally:
-            node.round_in_flight = False
         if node.snapshot_due:
             node.snapshot_due = False
             await node.training.run(node._snapshot, "hot")

@@ -137,7 +137,7 @@ async def start_services(
     ports.dht = dht.port
     address = f"{cfg.advertised_host}:{ports.grpc}"
     reachability = ReachabilityMonitor(
-        *(cfg.reachable, mode, node_id, ports.grpc, f"{cfg.advertised_host}:{ports.grpc}"),
+        *(cfg.reachable, mode, node_id, ports.grpc, address),
         *(dht, dht_run, run_digest),
         on_probe=lambda result: metrics.probes.labels(result).inc(),
         on_mode=metrics.set_reachability,

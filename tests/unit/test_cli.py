@@ -278,3 +278,17 @@ def test_demo_nodes_get_no_swarmnode_setting_of_the_user(
     (env,) = started
     assert not [name for name in env if name.startswith("SWARMNODE_")]
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path.parent / "torch-cache") and "PATH" in env
+
+
+def test_the_tls_hint_is_only_for_a_client_without_a_certificate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused handshake and a node that crashed mid-call both read "Connection reset": only a client
+    with no certificate to show is told about the TLS flags."""
+    from swarmnode.cli.commands import refusal_line
+    from swarmnode.net.security import Security
+
+    reset = rpc.PeerUnavailable("unreachable", "127.0.0.1:5: Connection reset by peer")
+    monkeypatch.setattr(rpc, "_client_security", Security(tls_ca=b"ca"))
+    assert "refused the TLS handshake" in refusal_line("status", "127.0.0.1:5", reset)
+    monkeypatch.setattr(rpc, "_client_security", Security(tls_cert=b"cert", tls_key=b"key", tls_ca=b"ca"))
+    assert refusal_line("status", "127.0.0.1:5", reset) == f"swarmnode status: {reset}"
+    assert "TLS" not in refusal_line("status", "127.0.0.1:5", reset)

@@ -46,7 +46,7 @@ from swarmnode.net.kademlia_adapter import (
     datagram_tag,
 )
 from swarmnode.net.security import Security
-from swarmnode.util.metrics import DHT_REJECT_REASONS
+from swarmnode.util.ratelimit import TokenBuckets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,8 +192,6 @@ def test_decode_refuses_bad_entry(case: str) -> None:
 
 def test_dht_reexports_the_record_names_callers_use() -> None:
     assert dht.DHTEntry is dht_records.DHTEntry
-    assert dht.REJECT_REASONS is dht_records.REJECT_REASONS
-    assert set(dht.REJECT_REASONS) == set(DHT_REJECT_REASONS)  # every reason has a pre-registered label
 
 
 # --- storage ---------------------------------------------------------------------------------------------
@@ -888,7 +886,7 @@ def test_a_flood_of_forged_pings_does_not_slow_honest_publish_and_get() -> None:
 
 def test_stranger_tokens_refill_at_their_rate_per_source() -> None:
     clock = FakeClock()
-    buckets = kademlia_adapter._TokenBuckets(rate_per_s=10.0, burst=3, max_sources=2, clock=clock)
+    buckets = TokenBuckets(rate_per_s=10.0, burst=3, max_sources=2, clock=clock)
     assert [buckets.take("a") for _ in range(4)] == [True, True, True, False]
     assert buckets.take("b")  # another source has its own bucket
     clock.now += 0.1

@@ -1,16 +1,21 @@
 """The overlapped outer step (DilocoTrainer.outer_step_overlapped): with no overlap progress it is the
-blocking step exactly; with progress δ it lands on θ_g' + δ where our Δ is in the average."""
+blocking step exactly; with progress δ it lands on θ_g' + δ where our Δ is in the average; it moves θ by
+the node's own Δ, never by what it sent (a poisoned copy under the test faults)."""
 
 from __future__ import annotations
 
 import copy
+import threading
 
+import pytest
 import torch
 
 from swarmnode.core.data import Batch
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
+from swarmnode.core.training import TrainingRun
+from swarmnode.util import faults
 
 CFG = ModelConfig(n_layer=1, n_embd=32, n_head=2, context=16, vocab_size=64)
 
@@ -45,8 +50,8 @@ def test_without_overlap_progress_it_is_the_blocking_step_bitwise() -> None:
     overlapped = copy.deepcopy(blocking)
     averaged = averaged_for(blocking)
     blocking.outer_step(averaged)
-    delta = overlapped.pseudo_gradient().clone()
-    overlapped.outer_step_overlapped(averaged, delta)
+    overlapped.pseudo_gradient()
+    overlapped.outer_step_overlapped(averaged)
     assert torch.equal(overlapped.global_flat, blocking.global_flat)
     assert torch.equal(overlapped.outer_momentum, blocking.outer_momentum)
     torch.testing.assert_close(local(overlapped), local(blocking), rtol=0, atol=1e-6)
@@ -61,7 +66,7 @@ def test_the_overlaps_progress_is_kept_on_top_of_the_new_global_params() -> None
     for seed in (10, 11):  # inner steps of the next round while the all-reduce runs
         trainer.inner_step(batch(seed))
     progress = local(trainer) - theta_r
-    trainer.outer_step_overlapped(averaged, delta)
+    trainer.outer_step_overlapped(averaged)
     new_global, theta = trainer.global_flat, local(trainer)
     third, two = n // 3, 2 * n // 3
     torch.testing.assert_close(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
@@ -72,3 +77,33 @@ def test_the_overlaps_progress_is_kept_on_top_of_the_new_global_params() -> None
     rest = slice(two, n)  # not covered: nothing moves but our own training
     assert torch.equal(new_global[rest], before[rest])
     torch.testing.assert_close(theta[rest], theta_r[rest] + progress[rest], rtol=0, atol=1e-6)
+
+
+def overlapped_round(run: TrainingRun, fault: str | None, average: torch.Tensor | None) -> torch.Tensor:
+    """One overlapped round of `run` whose Δ is taken under `fault`: two inner steps while it is in
+    flight, then its step with `average` (None: its own Δ as sent); returns what it sent."""
+    faults.configure(fault)
+    try:
+        start = run.prepare_round()
+    finally:
+        faults.configure(None)
+    sent = start.delta.clone()
+    n = sent.numel()
+    run.inner_phase(run.progress.round_step + 2, None, threading.Event(), lambda: None)
+    averaged = AveragedDelta(sent if average is None else average, ((0, n),), 2)
+    run.apply_outer(averaged, {}, None, overlapped=start)
+    return sent
+
+
+@pytest.mark.parametrize("fault", ["scale@delta", "nan@delta"])
+def test_the_overlapped_step_moves_theta_by_the_nodes_own_delta_not_what_it_sent(fault: str) -> None:
+    from swarmnode.bench.runner import trained_run
+
+    honest, poisoner = trained_run("tiny", 3, 32, 2), trained_run("tiny", 3, 32, 2)
+    own = overlapped_round(honest, None, None)
+    sent = overlapped_round(poisoner, fault, own)
+    assert not torch.equal(sent, own)  # the fault did poison what went on the wire
+    assert torch.equal(poisoner.trainer.global_flat, honest.trainer.global_flat)
+    theta = local(poisoner.trainer)
+    assert theta.isfinite().all()
+    assert torch.equal(theta, local(honest.trainer))
