@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -21,6 +20,8 @@ from swarmnode.util.procs import LOOPBACK_ARGS
 
 wait_for = procs.wait_until
 """The one poll helper, as the tests call it."""
+metric_value = procs.metric_value
+"""A sample's value from a Prometheus exposition (0 when absent)."""
 
 TINY_ARGS = (
     "--model",
@@ -111,10 +112,11 @@ def start_swarm(
     return nodes
 
 
-def node_status(node: NodeProcess) -> dict[str, Any]:
-    """`swarmnode status --json` of a running node."""
+def node_status(node: NodeProcess, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """`swarmnode status --json` of a running node, the call run through `prefix` (e.g. `ip netns
+    exec NAME`: from inside a namespace, where a call from outside would be a dial)."""
     out = subprocess.run(
-        [sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"],
+        [*prefix, sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -124,20 +126,20 @@ def node_status(node: NodeProcess) -> dict[str, Any]:
 
 
 def scrape(node: NodeProcess) -> str:
-    import urllib.request
-
-    url = f"http://{node.info['host']}:{node.info['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+    return node.metrics()
 
 
-def metric_value(text: str, name: str, labels: str = "") -> float:
-    """A sample's value from a Prometheus exposition (0 when absent)."""
-    wanted = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return 0.0
+def cold_metadata(node: NodeProcess) -> dict[int, dict[str, Any]]:
+    """outer step -> metadata of the node's cold snapshot written right after that outer step."""
+    from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
+    from swarmnode.snapshot.read import read_header
+
+    found = {}
+    for path in iter_snapshot_files(node.data_dir / "snapshots"):
+        kind, outer, _, _ = parse_snapshot_name(path.name)  # type: ignore[misc]
+        if kind == "cold":
+            found[outer] = read_header(path).metadata
+    return found
 
 
 def first_agreed_round(rounds: dict[int, dict[str, str]], count: int, after: int) -> int | None:
@@ -150,11 +152,10 @@ def first_agreed_round(rounds: dict[int, dict[str, str]], count: int, after: int
 
 
 def stop_all(nodes: Sequence[NodeProcess], timeout_s: float = 60) -> None:
-    """SIGTERM every node at once, then each must exit 0 (a clean stop: final snapshot, DHT left)."""
-    for node in nodes:
-        node.signal(signal.SIGTERM)
-    for node in nodes:
-        assert node.wait(timeout_s) == 0, node.log()[-2000:]
+    """SIGTERM every node at once, then each must exit 0 (a clean stop: final snapshot, DHT left)
+    within `timeout_s` of the signal (else it is killed: -9)."""
+    for node, code in zip(nodes, procs.stop_all(nodes, timeout_s), strict=True):
+        assert code == 0, f"{node.data_dir.name} exited with {code}:\n{node.log()[-2000:]}"
 
 
 def assert_ledgers_replay(nodes: Sequence[NodeProcess]) -> None:

@@ -2,7 +2,7 @@
 bandwidth caps, partitions (iproute2, `tc`, `iptables`; root only).
 
     with NetBed() as bed:
-        wan = bed.bridge("wan", "10.240.7.0/24")              # a switch in the root namespace (host .1)
+        wan = bed.bridge("10.240.7.0/24")                     # a switch in the root namespace (host .1)
         a = bed.namespace("a"); bed.attach(a, wan, "10.240.7.2", rate_mbit=100)
         home = bed.nat_router("home", wan, "10.240.7.9", "10.241.7.0/24")
         laptop = bed.namespace("laptop"); bed.attach(laptop, home.lan, "10.241.7.2")
@@ -10,7 +10,7 @@ bandwidth caps, partitions (iproute2, `tc`, `iptables`; root only).
         home.dial_attempts()                                  # connections from outside it refused
 
 - A *namespace* is an empty network stack (loopback up). `attach` joins it to a *bridge* by a veth pair,
-  gives it an address and a default route through the bridge's own address (when the bridge has one).
+  gives it an address and a default route through the bridge's own address.
 - `cap` (or `attach(..., rate_mbit=)`) shapes both directions of a link with `tc tbf` (this machine's
   kernel has no `netem`: rates only, no delay or loss), each end's egress: upload and download.
 - A *NAT router* is a namespace with a WAN leg on a bridge and a LAN bridge of its own: it forwards its
@@ -87,7 +87,7 @@ class Bridge:
 
     device: str
     network: ipaddress.IPv4Network
-    address: str | None
+    address: str
     namespace: Namespace | None = None
 
 
@@ -171,34 +171,25 @@ class NetBed:
         ns.run(["ip", "link", "set", "lo", "up"])
         return ns
 
-    def bridge(
-        self, name: str, cidr: str, namespace: Namespace | None = None, address: bool = True
-    ) -> Bridge:
+    def bridge(self, cidr: str, namespace: Namespace | None = None) -> Bridge:
         """A bridge on `cidr` in `namespace` (None: the root namespace, where this process runs), with the
-        network's first address on it when `address` (the gateway of namespaces attached to it)."""
-        del name  # bridges are named by the bed; `name` documents the call
+        network's first address on it (the gateway of namespaces attached to it); the bed names it."""
         network = ipaddress.IPv4Network(cidr)
         device = self._ifname("b")
-        gateway = str(next(network.hosts())) if address else None
+        gateway = str(next(network.hosts()))
         run = namespace.run if namespace is not None else _run
         run(["ip", "link", "add", device, "type", "bridge"])
         if namespace is None:
             self._undo.append(["ip", "link", "del", device])
-        if gateway is not None:
-            run(["ip", "addr", "add", f"{gateway}/{network.prefixlen}", "dev", device])
+        run(["ip", "addr", "add", f"{gateway}/{network.prefixlen}", "dev", device])
         run(["ip", "link", "set", device, "up"])
         return Bridge(device, network, gateway, namespace)
 
     def attach(
-        self,
-        namespace: Namespace,
-        bridge: Bridge,
-        address: str,
-        rate_mbit: float | None = None,
-        default_route: bool = True,
+        self, namespace: Namespace, bridge: Bridge, address: str, rate_mbit: float | None = None
     ) -> Link:
-        """Joins `namespace` to `bridge` by a veth pair with `address` on its side; a default route through
-        the bridge's address when it has one and `default_route`; `rate_mbit` caps both directions."""
+        """Joins `namespace` to `bridge` by a veth pair with `address` on its side and a default route
+        through the bridge's address; `rate_mbit` caps both directions."""
         base = self._ifname("v")
         inner, outer = f"{base}i", f"{base}o"
         _run(["ip", "link", "add", inner, "type", "veth", "peer", "name", outer])
@@ -211,8 +202,7 @@ class NetBed:
         outside(["ip", "link", "set", outer, "up"])
         namespace.run(["ip", "addr", "add", f"{address}/{bridge.network.prefixlen}", "dev", inner])
         namespace.run(["ip", "link", "set", inner, "up"])
-        if default_route and bridge.address is not None:
-            namespace.run(["ip", "route", "add", "default", "via", bridge.address])
+        namespace.run(["ip", "route", "add", "default", "via", bridge.address])
         link = Link(namespace, bridge, inner, outer, address)
         if rate_mbit is not None:
             self.cap(link, rate_mbit)
@@ -229,7 +219,7 @@ class NetBed:
         address) goes out masqueraded, and which drops and counts every new inbound flow from the WAN."""
         ns = self.namespace(name)
         leg = self.attach(ns, wan, wan_address)
-        lan = self.bridge(f"{name}-lan", lan_cidr, namespace=ns)
+        lan = self.bridge(lan_cidr, namespace=ns)
         ns.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
         ns.run(
             [
@@ -265,14 +255,10 @@ class NetBed:
             ns.run(["iptables", "-A", chain, "-i", leg.inner, "-j", "DROP"])
         return Router(ns, leg, lan)
 
-    def route_to(self, router: Router, namespace: Namespace | None = None) -> None:
-        """A route from `namespace` (None: the root namespace) to `router`'s LAN through its WAN leg."""
-        argv = ["ip", "route", "add", str(router.lan.network), "via", router.wan.address]
-        if namespace is None:
-            _run(argv)
-            self._undo.append(["ip", "route", "del", str(router.lan.network)])
-        else:
-            namespace.run(argv)
+    def route_to(self, router: Router) -> None:
+        """A route from the root namespace to `router`'s LAN through its WAN leg."""
+        _run(["ip", "route", "add", str(router.lan.network), "via", router.wan.address])
+        self._undo.append(["ip", "route", "del", str(router.lan.network)])
 
 
 def _tbf(device: str, mbit: float) -> list[str]:

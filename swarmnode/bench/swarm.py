@@ -14,20 +14,17 @@ of the round is the figure that compares across N). `--plot FILE.png` draws both
 from __future__ import annotations
 
 import math
-import re
-import signal
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from swarmnode.bench.runner import BenchResult, load_note
+from swarmnode.util import procs
 from swarmnode.util.procs import ChildFailed, NodeProcess, wait_until
 
 DEFAULT_NODES = (8, 16, 32)
-_SAMPLE = re.compile(r"^(swarmnode_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
 
 @dataclass(frozen=True)
@@ -123,15 +120,9 @@ def _measure(preset_name: str, count: int, rounds: int, inner_steps: int, group_
             before, started = whole, time.monotonic()
             after = _scrape_at_step(nodes, int(max(s["swarmnode_outer_step"] for s in whole)) + rounds)
             wall = (time.monotonic() - started) / rounds
-            rss = max(_peak_rss_mb(node) for node in nodes)
+            rss = max(procs.peak_rss_mb(node.proc.pid) for node in nodes if node.proc is not None)
         finally:
-            for node in nodes:
-                node.signal(signal.SIGTERM)
-            for node in nodes:
-                try:
-                    node.wait(60)
-                except Exception:  # noqa: BLE001 - a node that does not stop is killed below
-                    node.kill()
+            procs.stop_all(nodes, 60)
         return _figures(count, before, after, wall, rss)
 
 
@@ -163,28 +154,10 @@ def _metrics(node: NodeProcess) -> dict[str, float]:
     """The node's samples, labelled ones summed per name (0 for any the node cannot serve now)."""
     if not node.alive():
         raise node.fail("node exited during the bench")
-    url = f"http://{node.info['host']}:{node.info['metrics_port']}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
+        return procs.samples(node.metrics())
     except OSError:
         return {}
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(3) != "NaN":
-            found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(3))
-    return found
-
-
-def _peak_rss_mb(node: NodeProcess) -> float:
-    assert node.proc is not None
-    try:
-        status = Path(f"/proc/{node.proc.pid}/status").read_text()
-    except OSError:
-        return 0.0
-    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), "VmHWM: 0 kB")
-    return int(line.split()[1]) / 1024
 
 
 def _figures(
@@ -207,17 +180,15 @@ def _figures(
     )
 
 
-def _plot(measured: list[SwarmFigures], group_size: int, path: Path) -> None:
+def _plot(measured: list[SwarmFigures], group_size: int, path: str | Path) -> None:
     """Left: seconds per round against N (log-log); right: the overhead's share of the round, the
     figure that compares across N on one machine, with 1 + ln(N/N₀) growth for reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
+    from swarmnode.util.plotting import new_figure, save_png
+
     ns = [m.nodes for m in measured]
-    fig, (ax, share) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    fig, (ax, share) = new_figure(height=4, cols=2, width=10)
     ax.loglog(ns, [m.overhead_s for m in measured], "o-", label="overhead (matchmaking + all-reduce)")
     ax.loglog(ns, [m.matchmaking_s for m in measured], "s--", label="matchmaking")
     ax.loglog(ns, [m.allreduce_s for m in measured], "^--", label="all-reduce")
@@ -235,6 +206,4 @@ def _plot(measured: list[SwarmFigures], group_size: int, path: Path) -> None:
         a.set_xlabel("nodes N")
         a.legend(fontsize=7)
     fig.suptitle(f"swarmnode bench swarm: groups of {group_size}, N processes on one machine")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, Path(path))

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import statistics
 import tempfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +44,11 @@ from swarmnode.core.model import GPT, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.swarm import codecs
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import NodeProcess, wait_until
+from swarmnode.util.procs import NodeProcess, samples, stop_all, wait_until
 
 WIRE = "bf16"
 DEFAULT_INNER_STEPS = {"tiny": 40, "small": 30}
 _ROUND_LINE = re.compile(r"round (\d+): averaged with (\d+) members in ([0-9.]+) s")
-_SAMPLE = re.compile(r"^(swarmnode_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
 
 @dataclass(frozen=True)
@@ -75,13 +72,13 @@ def bench_wan(
     rounds: int = 4,
     inner_steps: int | None = None,
 ) -> BenchResult:
-    reason = netbed.unavailable()
-    if reason is not None:
-        raise ConfigError(f"bench wan builds network namespaces: {reason} (run it as root)")
     if nodes < 2:
         raise ConfigError(f"--nodes: bench wan needs at least 2 nodes, got {nodes}")
     if not mbit > 0:
         raise ConfigError(f"--mbit: must be positive, got {mbit}")
+    reason = netbed.unavailable()
+    if reason is not None:
+        raise ConfigError(f"bench wan builds network namespaces: {reason} (run it as root)")
     steps = inner_steps or DEFAULT_INNER_STEPS.get(preset_name, 30)
     n_values = _parameters(preset_name)
     delta_bytes = codecs.encoded_size(WIRE, n_values)
@@ -164,7 +161,7 @@ def _measure(preset_name: str, count: int, mbit: float, rounds: int, steps: int,
     net = 100 + os.getpid() % 100
     subnet = f"10.{net}.{60 + (overlap == 'on')}"
     with NetBed() as bed, tempfile.TemporaryDirectory(prefix="swarmnode-bench-wan-") as tmp:
-        wan = bed.bridge("wan", f"{subnet}.0/24")
+        wan = bed.bridge(f"{subnet}.0/24")
         spaces = []
         for i in range(count):
             ns = bed.namespace(f"n{i}")
@@ -182,17 +179,13 @@ def _measure(preset_name: str, count: int, mbit: float, rounds: int, steps: int,
             for p in procs:
                 p.wait_ready(300)
             budget = 600 + 60 * rounds * (1 + (preset_name != "tiny") * 4)
-            window = wait_until(lambda: _window(procs, rounds), budget, f"{rounds} rounds of all {count}")
+            window = wait_until(
+                lambda: _window(procs, rounds), budget, f"{rounds} rounds of all {count}", interval_s=1.0
+            )
             sent = statistics.mean(_metric(p, "swarmnode_allreduce_round_sent_bytes") for p in procs)
             return _figures("blocking" if overlap == "off" else "overlap", procs, window, sent)
         finally:
-            for p in procs:
-                p.signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(120)
-                except Exception:  # noqa: BLE001 - a node that does not stop is killed
-                    p.kill()
+            stop_all(procs, 120)
 
 
 def _timeline(p: NodeProcess) -> tuple[dict[int, float], dict[int, tuple[float, int]]]:
@@ -254,11 +247,4 @@ def _figures(mode: str, procs: list[NodeProcess], window: list[int], sent: float
 
 
 def _metric(p: NodeProcess, name: str) -> float:
-    url = f"http://{p.info['host']}:{p.info['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=20) as reply:
-        text = reply.read().decode()
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(1) == name:
-            return float(match.group(3))
-    return 0.0
+    return samples(p.metrics(timeout_s=20)).get(name, 0.0)

@@ -20,7 +20,7 @@ from swarmnode.net import rpc, snapshot_client
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header
 from swarmnode.swarm.recovery import read_receipts
-from swarmnode.util.procs import LOOPBACK_ARGS, NodeProcess, wait_until
+from swarmnode.util.procs import LOOPBACK_ARGS, NodeProcess, stop_all, wait_until
 
 NODE_ARGS = (
     "--model",
@@ -83,11 +83,7 @@ def demo_swarm(workdir: Path) -> Iterator[list[DemoNode]]:
     try:
         yield nodes
     finally:
-        for node in nodes:
-            node.signal(signal.SIGTERM)
-        for node in nodes:
-            if node.alive():
-                node.wait(20)
+        stop_all([node for node in nodes if node.proc is not None], 20)
 
 
 def start_nodes(workdir: Path, nodes: list[DemoNode]) -> None:
@@ -186,10 +182,9 @@ def run_demo() -> int:
             statuses = wait_rounds(nodes, target, 120)
             digests = {s.global_digest for s in statuses}
             say(f"round {target}: {len(digests)} distinct global digest(s) across the three nodes")
-            for node in nodes:
-                node.signal(signal.SIGTERM)
-            for node in nodes:
-                node.wait(30)
+            for node, code in zip(nodes, stop_all(nodes, 30), strict=True):
+                if code == -signal.SIGKILL:
+                    raise node.fail("did not exit within 30 s")
             print_summary(nodes, receipt)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,7 +1,7 @@
 """matplotlib without a display (the Agg backend), and PNGs that name their series in a text chunk.
 
-Imported only by the commands that draw (`swarmnode plot`, `swarmnode bench quality --plot`), so
-nothing else pays for matplotlib.
+Imported only by the commands that draw (`swarmnode plot`, `swarmnode bench quality --plot`,
+`swarmnode bench swarm --plot`), so nothing else pays for matplotlib.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ SERIES_KEY = "swarmnode:series"
 """The PNG text chunk that lists the plotted series' labels, one per line."""
 
 
-def new_figure(rows: int = 1, height: float = 4.5) -> tuple[Any, Any]:
-    """A figure and its axes: one, or an array of `rows` stacked axes sharing x."""
-    return plt.subplots(rows, 1, figsize=(8, height * rows), sharex=True)
+def new_figure(rows: int = 1, height: float = 4.5, cols: int = 1, width: float = 8.0) -> tuple[Any, Any]:
+    """A figure `width` wide and its axes: one, or an array of `rows` stacked (`height` each) by `cols`
+    side by side, all sharing x."""
+    return plt.subplots(rows, cols, figsize=(width, height * rows), sharex=True)
 
 
 def save_png(figure: Any, path: Path) -> list[str]:

@@ -4,13 +4,19 @@ the one poll helper (`wait_until`).
 
 Each child runs in a session of its own, without the caller's SWARMNODE_* settings, and is SIGKILLed
 with its whole process group when its `with` block ends (or by `kill()`), on every way out; its output
-goes to a log file whose tail comes with any failure.
+goes to a log file whose tail comes with any failure. A caller that is itself SIGKILLed (a bench killed
+by a test's timeout) runs none of that, so each child also gets SIGKILL from the kernel when its parent
+dies (`PR_SET_PDEATHSIG`). Linux sends it when the *thread* that started the child ends: start a child
+from the thread that owns it for its whole life (the main thread, or a worker thread whose `with` block
+holds it: every caller here does one or the other).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -21,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+from urllib.request import urlopen
 
 T = TypeVar("T")
 
@@ -42,17 +49,49 @@ def largest_child_rss_mb() -> float:
     return _peak_rss_mb["largest child"]
 
 
-def _record_peak_rss(pid: int) -> None:
-    """Reads a live child's VmHWM (`ru_maxrss` of children would count this process's own peak too:
-    Linux carries the parent's high-water mark into a child across fork and exec)."""
+def peak_rss_mb(pid: int) -> float:
+    """A live process's peak RSS (VmHWM) in MB, 0 if it is gone (`ru_maxrss` of children would count
+    this process's own peak too: Linux carries the parent's high-water mark into a child across fork
+    and exec)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            mb = int(line.split()[1]) / 1024
-            _peak_rss_mb["largest child"] = max(_peak_rss_mb["largest child"], mb)
+        return 0.0
+    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), "VmHWM: 0 kB")
+    return int(line.split()[1]) / 1024
+
+
+def _record_peak_rss(pid: int) -> None:
+    _peak_rss_mb["largest child"] = max(_peak_rss_mb["largest child"], peak_rss_mb(pid))
+
+
+_SAMPLE = re.compile(r"^(swarmnode_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> str:
+    """The Prometheus exposition at `url` (OSError if it cannot be read)."""
+    with urlopen(url, timeout=timeout_s) as reply:
+        text: str = reply.read().decode()
+        return text
+
+
+def samples(text: str) -> dict[str, float]:
+    """A Prometheus exposition's swarmnode_* samples, labelled ones summed per name (NaNs left out)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(3) != "NaN":
+            found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(3))
+    return found
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from a Prometheus exposition, `labels` its exact label set (0 when absent)."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def child_env() -> dict[str, str]:
@@ -95,8 +134,43 @@ def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, i
         time.sleep(interval_s)
 
 
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A `preexec_fn`: SIGKILL when the parent (the thread that forks) ends, and at once if the parent
+    already died before the setting took (the child would then be an orphan nobody kills)."""
+
+    def preexec() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def stop_all(children: Sequence[_Child], timeout_s: float) -> list[int]:
+    """SIGTERM to every child at once, then each one's exit code; one still running `timeout_s` after
+    the signal is SIGKILLed (its code: -SIGKILL). The codes in `children`'s order."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for child in children:
+        assert child.proc is not None
+        try:
+            code = child.proc.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            code = child.proc.returncode
+        codes.append(code)
+    return codes
+
+
 class _Child:
-    """A started process in its own session, killed (with its group) by `kill()` or the `with` block."""
+    """A started process in its own session, killed (with its group) by `kill()` or the `with` block,
+    and by the kernel when the thread that started it ends (its parent SIGKILLed)."""
 
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
@@ -113,6 +187,7 @@ class _Child:
                 text=True,
                 start_new_session=True,
                 env=env or child_env(),
+                preexec_fn=_die_with_parent(os.getpid()),
             )
 
     def alive(self) -> bool:
@@ -269,6 +344,14 @@ class NodeProcess(_Child):
     @property
     def grpc_address(self) -> str:
         return f"{self.info['host']}:{self.info['grpc_port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.info['host']}:{self.info['metrics_port']}/metrics"
+
+    def metrics(self, timeout_s: float = 10.0) -> str:
+        """The node's Prometheus exposition (OSError if it cannot be read)."""
+        return scrape(self.metrics_url, timeout_s)
 
     @property
     def snapshot_dir(self) -> Path:

@@ -11,10 +11,8 @@ and averages again. Root only; skips cleanly otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +23,14 @@ import pytest
 from swarmnode.bench import netbed
 from swarmnode.bench.netbed import Namespace, NetBed, Router
 from swarmnode.core.ledger import digests_by_round, read_ledger
-from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot.read import read_header, read_snapshot
+from swarmnode.snapshot.format import iter_snapshot_files
+from swarmnode.snapshot.read import read_snapshot
 from swarmnode.swarm import codecs
 from swarmnode.swarm.recovery import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
+    cold_metadata,
     metric_value,
     node_status,
     scrape,
@@ -53,27 +52,26 @@ DEBUG = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.matchmaking"}
 
 
 @pytest.fixture
-def home() -> Iterator[tuple[NetBed, Router, Namespace]]:
+def home(reaper) -> Iterator[tuple[NetBed, Router, Namespace]]:
+    """The bed; the test's nodes (some run inside its namespaces) are killed before it is taken down."""
     reason = netbed.unavailable()
     if reason is not None:
         pytest.skip(f"no network test bed here: {reason}")
     with NetBed() as bed:
-        wan = bed.bridge("wan", WAN)
+        wan = bed.bridge(WAN)
         router = bed.nat_router("home", wan, ROUTER_WAN, LAN)
         laptop = bed.namespace("laptop")
         bed.attach(laptop, router.lan, HOME)
         bed.route_to(router)  # a dial of the laptop's own address from here reaches the router: counted
-        yield bed, router, laptop
+        try:
+            yield bed, router, laptop
+        finally:
+            reaper.kill_all()
 
 
 def cold_rounds(node: NodeProcess) -> dict[int, dict[str, Any]]:
     """outer step -> `last_round` of the node's cold snapshot right after it."""
-    found = {}
-    for path in iter_snapshot_files(node.data_dir / "snapshots"):
-        kind, outer, _, _ = parse_snapshot_name(path.name)
-        if kind == "cold":
-            found[outer] = read_header(path).metadata["last_round"]
-    return found
+    return {outer: metadata["last_round"] for outer, metadata in cold_metadata(node).items()}
 
 
 def delta_length(node: NodeProcess) -> int:
@@ -83,17 +81,9 @@ def delta_length(node: NodeProcess) -> int:
     return sum(t.numel() for name, t in tensors.items() if name.startswith("global/"))
 
 
-def status_inside(ns: Namespace, node: NodeProcess) -> dict[str, Any]:
-    """`swarmnode status --json` from inside the laptop's namespace (a call from outside would be a dial)."""
-    argv = [*ns.prefix, sys.executable, "-m", "swarmnode.cli", "status", node.grpc_address, "--json"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
 def metrics_inside(ns: Namespace, node: NodeProcess) -> str:
-    url = f"http://{node.info['host']}:{node.info['metrics_port']}/metrics"
-    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    """The node's metrics, read from inside the laptop's namespace (a call from outside would be a dial)."""
+    code = f"from swarmnode.util.procs import scrape; print(scrape({node.metrics_url!r}))"
     return ns.run([sys.executable, "-c", code], check=False).stdout  # "" until it serves
 
 
@@ -108,9 +98,10 @@ def wait_for_client_mode(laptop: Namespace, client: NodeProcess, router: Router)
         ),
         90,
         "the client's dial-back probe",
+        interval_s=0.5,
     )
     assert metric_value(metrics, "swarmnode_reachable") == 0
-    assert status_inside(laptop, client)["reachability"] == "client"
+    assert node_status(client, prefix=laptop.prefix)["reachability"] == "client"
     assert router.dial_attempts() >= 1
     router.zero_counters()
 
@@ -139,7 +130,9 @@ def check_rounds(nodes: list[NodeProcess], client: NodeProcess, first: int, coun
     """Rounds first..first+count-1: the client averaged in each, as a member that reduces nothing: it
     sent its whole Δ (every part is a reducer's) and no result."""
     last = first + count - 1
-    wait_for(lambda: all(last in cold_rounds(x) for x in nodes), 240, f"round {last} on every node")
+    wait_for(
+        lambda: all(last in cold_rounds(x) for x in nodes), 240, f"round {last} on every node", interval_s=0.5
+    )
     for outer in range(first, last + 1):
         assert averaged_in(nodes, client, outer), (outer, cold_rounds(client).get(outer))
         assert cold_rounds(client)[outer]["bytes_sent"] == codecs.encoded_size("fp32", n)
@@ -160,7 +153,12 @@ def test_a_node_behind_nat_trains_averages_recovers_and_is_never_dialled(
     reachable = [seed, *others]
     for node in others:
         node.wait_ready()
-    wait_for(lambda: all(cold_rounds(x) for x in reachable), 180, "the reachable nodes' first round")
+    wait_for(
+        lambda: all(cold_rounds(x) for x in reachable),
+        180,
+        "the reachable nodes' first round",
+        interval_s=0.5,
+    )
 
     client_args = [*SWARM, "--host", HOME, "--shard", "3", *peers, *auto]
     client = reaper.node(tmp_path / "nat", client_args, env=DEBUG, prefix=laptop.prefix).start()
@@ -168,7 +166,9 @@ def test_a_node_behind_nat_trains_averages_recovers_and_is_never_dialled(
     wait_for_client_mode(laptop, client, router)
 
     everyone = [*reachable, client]
-    first = wait_for(lambda: first_round_with_client(everyone, client), 180, "the client in a group of 4")
+    first = wait_for(
+        lambda: first_round_with_client(everyone, client), 180, "the client in a group of 4", interval_s=0.5
+    )
     n = delta_length(client)
     check_rounds(everyone, client, first, 4, n)
     for node in reachable:
@@ -189,6 +189,7 @@ def test_a_node_behind_nat_trains_averages_recovers_and_is_never_dialled(
         lambda: first_round_with_client(everyone, client, max(killed_at, receipt["outer_step"])),
         180,
         "the client averaging again",
+        interval_s=0.5,
     )
     check_rounds(everyone, client, again, 2, n)
     assert router.dial_attempts() == 0, "a peer dialled the client"

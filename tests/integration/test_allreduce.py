@@ -32,6 +32,7 @@ from swarmnode.swarm import allreduce as averaging
 from swarmnode.swarm import codecs
 from swarmnode.swarm.allreduce import AllReduceResult
 from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import faults
 
@@ -62,8 +63,14 @@ class Node:
         return Member(self.servicer.node_id, self.address)
 
 
-async def start_node(node_id: str, on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None) -> Node:
-    servicer = AveragingServicer(node_id, on_proposal)
+async def start_node(
+    node_id: str,
+    on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
+    *,
+    trust: AveragingTrust = UNCHECKED,
+    on_rejected: Callable[[str], None] | None = None,
+) -> Node:
+    servicer = AveragingServicer(node_id, on_proposal, on_rejected=on_rejected, trust=trust)
     server = await snapshot_server.start_server(
         LOCALHOST,
         0,
@@ -128,6 +135,7 @@ def assert_identical(results: Sequence[AllReduceResult]) -> None:
     for other in results[1:]:
         assert other.averaged.covered == first.averaged.covered
         assert other.contributors == first.contributors
+        assert other.included == first.included
         assert torch.equal(other.averaged.delta, first.averaged.delta)
 
 

@@ -125,8 +125,7 @@ def test_a_bad_request_is_refused_without_dialling(
 
     monkeypatch.setattr(dial_back.snapshot_client, "get_status", never)
     context = FakeContext(peer)
-    request = pb.DialBackRequest(node_id=node_id)
-    request.port = port if port < 1 << 32 else 0
+    request = pb.DialBackRequest(port=port, node_id=node_id)
     with pytest.raises(RuntimeError):
         asyncio.run(DialBackServicer().DialBack(request, context))
     assert context.aborted == grpc.StatusCode.INVALID_ARGUMENT

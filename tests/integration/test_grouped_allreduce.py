@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from test_allreduce import Node, random_deltas, run, swarm, weighted_average
+from test_allreduce import Node, assert_identical, random_deltas, run, swarm, weighted_average
 
 from swarmnode.swarm.allreduce import AllReduceResult
 from swarmnode.swarm.grouping import RoundPlan, grouped_id
@@ -43,13 +43,6 @@ async def grouped_allreduce(
             )
         )
     )
-
-
-def assert_identical(results: Sequence[AllReduceResult]) -> None:
-    for other in results[1:]:
-        assert other.averaged.covered == results[0].averaged.covered
-        assert other.included == results[0].included
-        assert torch.equal(other.averaged.delta, results[0].averaged.delta)
 
 
 @pytest.mark.parametrize(("size", "group_size"), [(7, 3), (5, 2), (6, 4)])

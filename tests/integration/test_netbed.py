@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -15,6 +15,9 @@ from swarmnode.bench.netbed import Namespace, NetBed
 
 SUBNET = 200 + os.getpid() % 50
 """The second octet of this run's subnets (another run in parallel most likely picks another)."""
+
+
+Serve = Callable[[Namespace | None, str, int], None]
 
 
 @pytest.fixture
@@ -26,19 +29,33 @@ def bed() -> Iterator[NetBed]:
         yield made
 
 
-def _serve(ns: Namespace | None, address: str, port: int) -> subprocess.Popen[str]:
-    """A TCP server in `ns` that answers each connection with "hello" (ready once it printed "up")."""
-    code = (
-        "import socket,sys\n"
-        f"s=socket.create_server(({address!r},{port}))\n"
-        "print('up',flush=True)\n"
-        "while True:\n"
-        "    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
-    )
-    prefix = ns.prefix if ns is not None else []
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-    return proc
+@pytest.fixture
+def serve(bed: NetBed) -> Iterator[Serve]:
+    """Starts TCP servers in the bed's namespaces that answer each connection with "hello"; every one
+    is killed and reaped at teardown, whatever failed, before the bed is taken down."""
+    servers: list[subprocess.Popen[str]] = []
+
+    def start(ns: Namespace | None, address: str, port: int) -> None:
+        code = (
+            "import socket,sys\n"
+            f"s=socket.create_server(({address!r},{port}))\n"
+            "print('up',flush=True)\n"
+            "while True:\n"
+            "    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
+        )
+        prefix = ns.prefix if ns is not None else []
+        proc = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        servers.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+
+    try:
+        yield start
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def _dial(ns: Namespace | None, address: str, port: int, timeout_s: float = 2.0) -> str:
@@ -57,42 +74,35 @@ def _dial(ns: Namespace | None, address: str, port: int, timeout_s: float = 2.0)
     ).stdout.strip()
 
 
-def test_namespaces_on_a_bridge_reach_each_other_and_the_host(bed: NetBed) -> None:
-    wan = bed.bridge("wan", f"10.{SUBNET}.1.0/24")
+def test_namespaces_on_a_bridge_reach_each_other_and_the_host(bed: NetBed, serve: Serve) -> None:
+    wan = bed.bridge(f"10.{SUBNET}.1.0/24")
     a, b = bed.namespace("a"), bed.namespace("b")
     bed.attach(a, wan, f"10.{SUBNET}.1.2")
     bed.attach(b, wan, f"10.{SUBNET}.1.3")
-    server = _serve(b, f"10.{SUBNET}.1.3", 7001)
-    try:
-        assert _dial(a, f"10.{SUBNET}.1.3", 7001) == "hello"
-        assert _dial(None, f"10.{SUBNET}.1.3", 7001) == "hello"  # the host is on the bridge (.1)
-    finally:
-        server.kill()
+    serve(b, f"10.{SUBNET}.1.3", 7001)
+    assert _dial(a, f"10.{SUBNET}.1.3", 7001) == "hello"
+    assert _dial(None, f"10.{SUBNET}.1.3", 7001) == "hello"  # the host is on the bridge (.1)
 
 
-def test_a_node_behind_nat_dials_out_but_nothing_dials_in(bed: NetBed) -> None:
-    wan = bed.bridge("wan", f"10.{SUBNET}.2.0/24")
+def test_a_node_behind_nat_dials_out_but_nothing_dials_in(bed: NetBed, serve: Serve) -> None:
+    wan = bed.bridge(f"10.{SUBNET}.2.0/24")
     public = bed.namespace("public")
     bed.attach(public, wan, f"10.{SUBNET}.2.2")
     router = bed.nat_router("home", wan, f"10.{SUBNET}.2.9", f"10.{SUBNET}.3.0/24")
     laptop = bed.namespace("laptop")
     bed.attach(laptop, router.lan, f"10.{SUBNET}.3.2")
     bed.route_to(router)  # so that a host dial of the LAN address reaches the router and is counted
-    outside = _serve(public, f"10.{SUBNET}.2.2", 7002)
-    inside = _serve(laptop, "0.0.0.0", 7003)
-    try:
-        assert _dial(laptop, f"10.{SUBNET}.2.2", 7002) == "hello"
-        assert router.dial_attempts() == 0  # replies to the laptop's own connection are not dials
-        assert _dial(public, f"10.{SUBNET}.2.9", 7003, timeout_s=0.5) == ""  # the router's address
-        assert _dial(None, f"10.{SUBNET}.3.2", 7003, timeout_s=0.5) == ""  # the LAN address itself
-        assert router.dial_attempts() >= 2
-    finally:
-        outside.kill()
-        inside.kill()
+    serve(public, f"10.{SUBNET}.2.2", 7002)
+    serve(laptop, "0.0.0.0", 7003)
+    assert _dial(laptop, f"10.{SUBNET}.2.2", 7002) == "hello"
+    assert router.dial_attempts() == 0  # replies to the laptop's own connection are not dials
+    assert _dial(public, f"10.{SUBNET}.2.9", 7003, timeout_s=0.5) == ""  # the router's address
+    assert _dial(None, f"10.{SUBNET}.3.2", 7003, timeout_s=0.5) == ""  # the LAN address itself
+    assert router.dial_attempts() >= 2
 
 
 def test_a_rate_cap_shapes_both_directions(bed: NetBed) -> None:
-    wan = bed.bridge("wan", f"10.{SUBNET}.4.0/24")
+    wan = bed.bridge(f"10.{SUBNET}.4.0/24")
     a = bed.namespace("a")
     link = bed.attach(a, wan, f"10.{SUBNET}.4.2", rate_mbit=20)
     up = a.run(["tc", "qdisc", "show", "dev", link.inner]).stdout
@@ -110,7 +120,7 @@ def test_close_removes_everything_and_leftovers_of_dead_beds_are_swept() -> None
     if reason is not None:
         pytest.skip(f"no network test bed here: {reason}")
     with NetBed() as made:
-        wan = made.bridge("wan", f"10.{SUBNET}.5.0/24")
+        wan = made.bridge(f"10.{SUBNET}.5.0/24")
         ns = made.namespace("x")
         made.attach(ns, wan, f"10.{SUBNET}.5.2")
         router = made.nat_router("r", wan, f"10.{SUBNET}.5.9", f"10.{SUBNET}.6.0/24")
@@ -124,5 +134,8 @@ def test_close_removes_everything_and_leftovers_of_dead_beds_are_swept() -> None
     )
     stale = f"sn{dead.stdout.strip()}-stale"
     subprocess.run(["ip", "netns", "add", stale], check=True)
-    with NetBed():
-        assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    try:
+        with NetBed():
+            assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)  # if the sweep missed it

@@ -7,9 +7,9 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_swarm_averaging import SWARM, cold_metadata, digests_by_round, first_round_all_agree
+from test_swarm_averaging import SWARM, digests_by_round, first_round_all_agree
 
-from swarmtest import assert_ledgers_replay, start_swarm, stop_all, wait_for
+from swarmtest import assert_ledgers_replay, cold_metadata, start_swarm, stop_all, wait_for
 
 OVERLAP = [*SWARM, "--overlap", "on", "--wire-dtype", "fp32", "--wait-peers", "2"]
 

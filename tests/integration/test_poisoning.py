@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from swarmnode.net.identity import Identity
-from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot.read import read_header
-from swarmtest import NodeProcess, start_swarm
+from swarmtest import NodeProcess, cold_metadata, start_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,11 +57,9 @@ def run_swarm(reaper, base: Path, identities: list[Path], faults: list[str | Non
 
 def after_round(node: NodeProcess, outer_step: int = 1) -> dict:
     """The metadata of the node's cold snapshot written after its outer step `outer_step` - 1."""
-    for path in iter_snapshot_files(node.data_dir / "snapshots"):
-        kind, outer, _, _ = parse_snapshot_name(path.name)
-        if kind == "cold" and outer == outer_step:
-            return read_header(path).metadata
-    raise AssertionError(f"no cold snapshot at outer step {outer_step} in {node.data_dir}")
+    found = cold_metadata(node).get(outer_step)
+    assert found is not None, f"no cold snapshot at outer step {outer_step} in {node.data_dir}"
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -10,48 +10,30 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from test_allreduce import start_node
 
-from swarmnode.net import rpc, snapshot_server
+from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, wire
 from swarmnode.swarm.allreduce import butterfly_allreduce
 from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.trust import AveragingTrust, SenderProof
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.wire import GroupSpec
 
 pytestmark = pytest.mark.timeout(120)
 N = 3_000_000  # parts of 1M values: 4 MB fp32 images, 4 chunks each
 
 
-class NoSnapshots:
-    def list_snapshots(self) -> list:
-        return []
-
-    def find(self, snapshot_id: str | None) -> None:
-        return None
-
-
 async def start_members(count: int) -> tuple[list[AveragingServicer], list[Any], GroupSpec, list[str]]:
     """`count` members with their own identities and servers; the list collects every refusal."""
-    identities = [Identity.generate() for _ in range(count)]
-    servicers, servers, members = [], [], []
     rejected: list[str] = []
-    for identity in identities:
+    nodes = []
+    for identity in (Identity.generate() for _ in range(count)):
         trust = AveragingTrust(SenderProof.SIGNATURE, identity)
-        servicer = AveragingServicer(identity.node_id_hex, on_rejected=rejected.append, trust=trust)
-        server = await snapshot_server.start_server(
-            "127.0.0.1",
-            0,
-            NoSnapshots(),
-            lambda: rpc.NodeStatus("n", "run"),
-            extra_servicers=[servicer.register],
-        )
-        servicers.append(servicer)
-        servers.append(server)
-        members.append(Member(identity.node_id_hex, f"127.0.0.1:{server.port}"))
-    spec = GroupSpec("run", 0, "0-signed", tuple(members), "fp32", 20.0)
-    return servicers, servers, spec, rejected
+        nodes.append(await start_node(identity.node_id_hex, trust=trust, on_rejected=rejected.append))
+    spec = GroupSpec("run", 0, "0-signed", tuple(n.member for n in nodes), "fp32", 20.0)
+    return [n.servicer for n in nodes], [n.server for n in nodes], spec, rejected
 
 
 def captured_call(servicer: AveragingServicer, spec: GroupSpec, part: int, delta: torch.Tensor) -> list[Any]:

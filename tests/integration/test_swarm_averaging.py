@@ -15,7 +15,7 @@ from swarmnode.core.model import build_model
 from swarmnode.core.presets import preset
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
-from swarmnode.snapshot.read import read_header, read_snapshot
+from swarmnode.snapshot.read import read_snapshot
 from swarmnode.swarm import codecs
 from swarmnode.swarm.allreduce import AllReduceResult, butterfly_allreduce
 from swarmnode.swarm.recovery import read_receipts
@@ -24,6 +24,7 @@ from swarmnode.swarm.wire import GroupSpec, Member
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
+    cold_metadata,
     first_agreed_round,
     metric_value,
     node_status,
@@ -51,16 +52,6 @@ SWARM = (
     "--run-id",
     "avg",
 )
-
-
-def cold_metadata(node: NodeProcess) -> dict[int, dict]:
-    """outer step -> metadata of the node's cold snapshot written right after that outer step."""
-    found = {}
-    for path in iter_snapshot_files(node.data_dir / "snapshots"):
-        kind, outer, _, _ = parse_snapshot_name(path.name)
-        if kind == "cold":
-            found[outer] = read_header(path).metadata
-    return found
 
 
 def cold_global(node: NodeProcess, outer_step: int) -> torch.Tensor:

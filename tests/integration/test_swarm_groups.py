@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_swarm_averaging import SWARM, cold_metadata
+from test_swarm_averaging import SWARM
 
-from swarmtest import assert_ledgers_replay, start_swarm, stop_all
+from swarmtest import assert_ledgers_replay, cold_metadata, start_swarm, stop_all
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -109,6 +109,19 @@ def test_swarm_bench_emits_json_per_swarm_size() -> None:
     assert "overhead share N=3 / N=2" in ratios(report)
 
 
+def test_swarm_bench_plot_draws_both_panels_through_the_shared_plotting(tmp_path) -> None:
+    from PIL import Image
+
+    from swarmnode.bench.swarm import SwarmFigures, _plot
+    from swarmnode.util.plotting import SERIES_KEY
+
+    measured = [SwarmFigures(n, 0.1 * n, 0.2, 50.0, 4.0, 4.0, 2.0 + n, 300.0) for n in (2, 4)]
+    png = tmp_path / "swarm.png"
+    _plot(measured, 2, png)
+    labels = Image.open(png).text[SERIES_KEY].split("\n")
+    assert len(labels) == 6 and {"round wall time (anchor)", "overhead / round wall time"} <= set(labels)
+
+
 def test_swarm_sizes_are_a_list_only_for_the_swarm_bench() -> None:
     for knobs in (["allreduce", "--nodes", "2,4"], ["swarm", "--nodes", "8,x"]):
         out = subprocess.run(

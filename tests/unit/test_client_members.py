@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_matchmaking import GLOBAL_DIGEST, RUN_DIGEST, MemoryDHT, NodeView
+from test_matchmaking import GLOBAL_DIGEST, RUN_DIGEST, MemoryDHT, NodeView, offers_in
 
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import wire
@@ -117,7 +117,7 @@ def test_a_client_never_leads_is_never_proposed_to_and_fetches_the_group() -> No
             return asyncio.ensure_future(node.form_group(4, 1.0, GLOBAL_DIGEST, cursor, peers))
 
         first = go(client, [a, b])  # and the earliest deadline: it would lead, were it reachable
-        await asyncio.sleep(0.05)
+        await offers_in([client], 4)
         return await asyncio.gather(first, go(a, [client, b]), go(b, [client, a]))
 
     outcomes = asyncio.run(scenario())

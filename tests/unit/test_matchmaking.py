@@ -7,7 +7,7 @@ import asyncio
 import itertools
 
 from swarmnode.net.dht_records import DHTEntry
-from swarmnode.swarm.matchmaking import Matchmaker, Outcome
+from swarmnode.swarm.matchmaking import Matchmaker, Offer, Outcome, round_key
 from swarmnode.swarm.wire import GroupSpec
 
 RUN_DIGEST = "ab" * 32
@@ -40,6 +40,21 @@ class NodeView:
 async def frozen_mark(shared: MemoryDHT) -> None:
     while not any(e.value.get("fz") for entries in shared.records.values() for e in entries.values()):
         await asyncio.sleep(0.01)
+
+
+async def offers_in(nodes: list[Matchmaker], step: int, timeout_s: float = 5.0) -> None:
+    """Until every one of `nodes` has its offer for round `step` in their shared MemoryDHT."""
+
+    def there() -> bool:
+        entries = nodes[0].dht.shared.records.get(round_key(nodes[0].run_id), {})
+        offers = [Offer.from_entry(n.node_id, entries[n.node_id]) for n in nodes if n.node_id in entries]
+        return len(offers) == len(nodes) and all(o is not None and o.outer_step == step for o in offers)
+
+    async def poll() -> None:
+        while not there():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout_s)
 
 
 def swarm(count: int, timeout_s: float = 1.0) -> list[Matchmaker]:
@@ -111,7 +126,7 @@ def test_a_node_whose_peers_offer_for_a_later_round_knows_at_once_it_missed_its_
     async def scenario() -> tuple[Outcome, float]:
         a, b, late = swarm(3, timeout_s=30.0)
         pending = [offer(a, 6, {b, late}), offer(b, 6, {a, late})]
-        await asyncio.sleep(0.05)  # both offers for round 6 are in the DHT
+        await offers_in([a, b], 6)
         started = asyncio.get_running_loop().time()
         outcome = await offer(late, 5, {a, b})
         elapsed = asyncio.get_running_loop().time() - started
@@ -133,7 +148,7 @@ def test_one_peer_offering_for_a_later_round_does_not_end_the_others_round() -> 
     async def scenario() -> list[Outcome]:
         a, b, c, ahead = swarm(4, timeout_s=1.0)
         pending_ahead = offer(ahead, 9, {a, b, c})
-        await asyncio.sleep(0.05)
+        await offers_in([ahead], 9)
         everyone = {a, b, c, ahead}
         outcomes = await asyncio.gather(*(offer(n, 4, everyone - {n}) for n in (a, b, c)))
         await pending_ahead
