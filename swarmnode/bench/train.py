@@ -11,8 +11,12 @@ kernel groups scheduling by session, that loop shared its session's CPU share wh
 of its own.) Other work on a shared machine comes and goes, so the two take turns, one snapshot
 period each: the node trains from one of its snapshots to the next (a window holds one staging stall
 and one whole background write), then waits stopped (SIGSTOP) while the bare loop trains as many
-steps. The best windows are compared, and the medians printed beside them. Known open problem: on this
-machine under load the node still measures faster than this anchor (node / bare 1.3-1.7, README).
+steps. Each node window is compared with the bare window beside it, and the ratio is the median of those
+pairs: a window that met a burst of other load moves one pair, not the figure. On this 2-core machine,
+otherwise idle, single 50-step windows of `small` vary by ±15% (six pairs of one run: node / bare 0.73 to
+1.15), so the best of two windows each, as this bench used to compare, put the node 3.5% above the loop it
+wraps in one run of two; twelve pairs (600 steps, the default) bring the median within a few percent.
+The best windows' ratio is printed beside it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ PROGRESS_S = 0.1
 
 def bench_train(
     preset_name: str,
-    steps: int = 100,
+    steps: int = 600,
     nodes: int = 4,
     inner_steps: int = 100,
     rounds: int = 6,
@@ -59,8 +63,17 @@ def bench_train(
     node, bare = alternate(preset_name, threads, window, max(1, steps // window))
     result.add("node tokens/s (snapshots, DHT, metrics on)", max(node) * TOKENS, "tok/s", _note(node, window))
     result.add("bare training loop tokens/s", max(bare) * TOKENS, "tok/s", _note(bare, window))
-    result.ratio("node / bare loop tokens/s", max(node) / max(bare), "target ≥ 0.97 (best windows)")
-    result.ratio("node / bare loop tokens/s (medians)", median(node) / median(bare), load_note())
+    paired = median([n / b for n, b in zip(node, bare, strict=True)])
+    result.ratio(
+        "node / bare loop tokens/s",
+        paired,
+        f"median of {len(node)} window pairs, target 0.95-1.02; {load_note()}",
+    )
+    result.ratio(
+        "node / bare loop tokens/s (best windows)",
+        max(node) / max(bare),
+        "best node window / best bare window",
+    )
     if quality:
         with tempfile.TemporaryDirectory() as tmp:
             add_quality(result, QualityRun(nodes, inner_steps, rounds), Path(tmp))
