@@ -15,7 +15,8 @@ steps. Each node window is compared with the bare window beside it, and the rati
 pairs: a window that met a burst of other load moves one pair, not the figure. On this 2-core machine,
 otherwise idle, single 50-step windows of `small` vary by ±15% (six pairs of one run: node / bare 0.73 to
 1.15), so the best of two windows each, as this bench used to compare, put the node 3.5% above the loop it
-wraps in one run of two; twelve pairs (600 steps, the default) bring the median within a few percent.
+wraps in one run of two. Twelve pairs (600 steps, the default) steady the median, yet two runs here
+still came 9% apart (0.912, 0.998: the machine's own speed moved 20% between them; README).
 The best windows' ratio is printed beside it.
 """
 
