@@ -1,0 +1,186 @@
+"""`StateRangeService` (ranges.proto): a node's state as verifiable byte ranges, served and fetched.
+
+The server answers from a `RangeProvider` (the node's, in swarm/range_source.py, reads its newest
+snapshot at the asked outer step); it runs on the event loop and only slices immutable bytes there. It
+bounds the ranges in flight (`MAX_RANGES_IN_FLIGHT` over all callers, `MAX_RANGES_PER_HOST` per caller
+host or certificate node id) and answers RESOURCE_EXHAUSTED beyond; the server's guard (swarm token,
+mutual TLS) covers these calls as it covers FetchSnapshot.
+
+The client returns typed values and raises `PeerUnavailable` with a reason for anything a peer did:
+an unreachable or refusing peer, a malformed manifest, a range of the wrong size. Whether a range's
+bytes are right is the caller's check (`RangeList.check`), as is which root to trust.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from swarmnode.net import rpc
+from swarmnode.net.snapshot_server import peer_key
+from swarmnode.proto.v1 import ranges_pb2 as pb
+from swarmnode.proto.v1 import ranges_pb2_grpc as pb_grpc
+from swarmnode.snapshot.ranges import RangeError, RangeList
+from swarmnode.util.labels import FetchFailure
+
+logger = logging.getLogger(__name__)
+
+MAX_RANGES_IN_FLIGHT = 8
+MAX_RANGES_PER_HOST = 4
+"""A recovering node asks each peer for a few ranges at once (range_fetch.STREAMS_PER_PEER)."""
+MAX_METADATA_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class RangeManifest:
+    """A node's state at one outer step as ranges: the shared part, its own node part, and the
+    metadata of the snapshot they were read from."""
+
+    outer_step: int
+    snapshot_id: str
+    shared: RangeList
+    node: RangeList
+    metadata_json: str
+
+    def to_pb(self) -> pb.RangeManifest:
+        return pb.RangeManifest(
+            outer_step=self.outer_step,
+            snapshot_id=self.snapshot_id,
+            shared=_list_to_pb(self.shared),
+            node=_list_to_pb(self.node),
+            metadata_json=self.metadata_json,
+        )
+
+    @classmethod
+    def from_pb(cls, msg: pb.RangeManifest) -> RangeManifest:
+        """Raises RangeError when a range list is malformed or the metadata oversized."""
+        if len(msg.metadata_json) > MAX_METADATA_CHARS:
+            raise RangeError(f"metadata of {len(msg.metadata_json)} characters")
+        return cls(
+            msg.outer_step,
+            msg.snapshot_id,
+            _list_from_pb(msg.shared),
+            _list_from_pb(msg.node),
+            msg.metadata_json,
+        )
+
+
+def _list_to_pb(ranges: RangeList) -> pb.RangeList:
+    return pb.RangeList(total_bytes=ranges.total_bytes, range_bytes=ranges.range_bytes, hashes=ranges.packed)
+
+
+def _list_from_pb(msg: pb.RangeList) -> RangeList:
+    return RangeList.from_wire(msg.total_bytes, msg.range_bytes, msg.hashes)
+
+
+class RangeProvider(Protocol):
+    async def manifest(self, outer_step: int) -> RangeManifest | None:
+        """The manifest at `outer_step` (None: no snapshot at that step is served here)."""
+        ...
+
+    def range(self, root: str, index: int) -> bytes | None:
+        """Range `index` of the blob named `root` (None: not held now); RangeError for a bad index.
+        Called on the event loop: must only slice bytes in memory."""
+        ...
+
+
+RangeFilter = Callable[[int, bytes], Awaitable[bytes]]
+"""Test-only: maps each served range's (index, bytes) to what is sent instead (a lying peer)."""
+
+
+class StateRangeServicer:
+    """`StateRangeService` over a provider. Register it with
+    `snapshot_server.start_server(..., extra_servicers=[servicer.register])`."""
+
+    def __init__(
+        self,
+        provider: RangeProvider,
+        on_served: Callable[[int], None] | None = None,
+        range_filter: RangeFilter | None = None,
+    ) -> None:
+        """`on_served(nbytes)` counts each range served."""
+        self._provider, self._on_served, self._filter = provider, on_served, range_filter
+        self._in_flight = 0
+        self._per_host: Counter[str] = Counter()
+
+    def register(self, server: grpc.aio.Server) -> str:
+        pb_grpc.add_StateRangeServiceServicer_to_server(self, server)  # type: ignore[arg-type]
+        return str(pb.DESCRIPTOR.services_by_name["StateRangeService"].full_name)
+
+    async def GetRangeManifest(self, request: pb.GetRangeManifestRequest, context: Any) -> pb.RangeManifest:
+        manifest = await self._provider.manifest(request.outer_step)
+        if manifest is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot at outer step {request.outer_step}")
+        assert manifest is not None
+        return manifest.to_pb()
+
+    async def FetchRange(self, request: pb.FetchRangeRequest, context: Any) -> pb.FetchRangeReply:
+        host = peer_key(context)
+        if self._in_flight >= MAX_RANGES_IN_FLIGHT or self._per_host[host] >= MAX_RANGES_PER_HOST:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many ranges in flight; ask later")
+        self._in_flight += 1
+        self._per_host[host] += 1
+        try:
+            data = await self._range(request, context)
+        finally:
+            self._in_flight -= 1
+            self._per_host[host] -= 1
+            if not self._per_host[host]:
+                del self._per_host[host]
+        if self._on_served is not None:
+            self._on_served(len(data))
+        return pb.FetchRangeReply(data=data)
+
+    async def _range(self, request: pb.FetchRangeRequest, context: Any) -> bytes:
+        try:
+            data = self._provider.range(request.root, request.index)
+        except RangeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if data is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"blob {request.root[:12]} is not held here")
+        assert data is not None
+        return await self._filter(request.index, data) if self._filter is not None else data
+
+
+async def get_range_manifest(
+    address: str, outer_step: int, timeout_s: float, channels: rpc.ChannelCache | None = None
+) -> RangeManifest:
+    """A peer's manifest at `outer_step` (it may take the peer a second to read its snapshot). Raises
+    PeerUnavailable (INVALID: malformed)."""
+    request = pb.GetRangeManifestRequest(outer_step=outer_step)
+    async with rpc.peer_channel(address, channels) as channel:
+        try:
+            reply = await pb_grpc.StateRangeServiceStub(channel).GetRangeManifest(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.PeerUnavailable(_reason(exc), f"{address}: {exc.details()}") from None
+    try:
+        return RangeManifest.from_pb(reply)
+    except RangeError as exc:
+        raise rpc.PeerUnavailable(FetchFailure.INVALID, f"{address}: manifest: {exc}") from None
+
+
+async def fetch_range(
+    address: str, root: str, index: int, timeout_s: float, channels: rpc.ChannelCache | None = None
+) -> bytes:
+    """Range `index` of blob `root` from a peer, unverified. Raises PeerUnavailable."""
+    request = pb.FetchRangeRequest(root=root, index=index)
+    async with rpc.peer_channel(address, channels) as channel:
+        try:
+            reply = await pb_grpc.StateRangeServiceStub(channel).FetchRange(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.PeerUnavailable(_reason(exc), f"{address}: {exc.details()}") from None
+    return bytes(reply.data)
+
+
+def _reason(exc: grpc.aio.AioRpcError) -> FetchFailure:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return FetchFailure.TIMEOUT
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return FetchFailure.UNREACHABLE
+    return FetchFailure.REFUSED

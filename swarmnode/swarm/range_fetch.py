@@ -1,0 +1,241 @@
+"""Fetching byte ranges from several peers at once, each range verified, a bad peer's work re-assigned.
+
+Every peer gets `streams_per_peer` workers; a free worker takes the next range in this order: a range
+pinned to its peer (the node part, which only that peer holds), any unpinned range not yet taken, and —
+once none is left (the end game) — a copy of an unpinned range still in flight on another peer, so a
+slow peer's last ranges are fetched again by a fast one and the first verified copy wins (the other is
+cancelled). A range that arrives is checked (size, sha256) before it is delivered.
+
+Failure semantics: a range that fails goes back to the queue, never to the peer that failed it unless
+it is pinned there. A peer that sends a range of the wrong size or hash is lying and is dropped at once;
+one that times out or is refused is dropped after `max_failures`. Every failure is counted by reason
+(`on_failure`). The fetch fails (`RangeFetchFailed`) only when a range has no peer left that could
+serve it; nothing is delivered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from swarmnode.snapshot.ranges import RangeError, RangeList
+from swarmnode.util.errors import PeerFault
+from swarmnode.util.labels import FetchFailure
+
+logger = logging.getLogger(__name__)
+
+STREAMS_PER_PEER = 2
+"""Ranges asked of one peer at once: one in flight while the next request crosses the link."""
+MAX_FAILURES = 2
+MIN_RANGE_TIMEOUT_S = 10.0
+MIN_RATE_BYTES_S = 256 << 10
+"""A range may take 10 s plus its bytes at this rate (4 s per MiB) before it is another peer's."""
+
+
+class RangePeer(Protocol):
+    """Where ranges come from: `fetch` raises a PeerFault (with a reason) for what the peer did."""
+
+    name: str
+
+    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes: ...
+
+
+class RangeFetchFailed(PeerFault):
+    """Some range has no peer left that could serve it."""
+
+
+@dataclass(frozen=True)
+class RangeJob:
+    """Range `index` of the blob `ranges`; `pinned`: the only peer that may serve it."""
+
+    ranges: RangeList
+    index: int
+    pinned: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.ranges.root, self.index
+
+
+@dataclass
+class FetchReport:
+    ranges_per_peer: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    """By reason (labels.FetchFailure)."""
+    duplicates: int = 0
+    """End-game copies fetched of a range another peer still had in flight."""
+    dropped: list[str] = field(default_factory=list)
+
+
+def range_timeout_s(nbytes: int) -> float:
+    return MIN_RANGE_TIMEOUT_S + nbytes / MIN_RATE_BYTES_S
+
+
+class RangeFetcher:
+    """One fetch of `jobs` from `peers`; `deliver(job, data)` receives each verified range once."""
+
+    def __init__(
+        self,
+        peers: Sequence[RangePeer],
+        jobs: Sequence[RangeJob],
+        deliver: Callable[[RangeJob, bytes], None],
+        *,
+        streams_per_peer: int = STREAMS_PER_PEER,
+        max_failures: int = MAX_FAILURES,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self._peers, self._deliver, self._streams = list(peers), deliver, streams_per_peer
+        self._max_failures, self._on_failure = max_failures, on_failure
+        self._pending: deque[RangeJob] = deque(jobs)
+        self._in_flight: dict[tuple[str, int], dict[str, asyncio.Task[bytes]]] = {}
+        self._jobs = {job.key: job for job in jobs}
+        self._done: set[tuple[str, int]] = set()
+        self._refused_by: dict[tuple[str, int], set[str]] = {}
+        self._failures: Counter[str] = Counter()
+        self._dropped: set[str] = set()
+        self._changed = asyncio.Condition()
+        self._stuck: RangeJob | None = None
+        self.report = FetchReport()
+
+    async def run(self) -> FetchReport:
+        """Fetches every job; raises RangeFetchFailed when one cannot be served by anyone left."""
+        async with asyncio.TaskGroup() as group:
+            for peer in self._peers:
+                for _ in range(self._streams):
+                    group.create_task(self._worker(peer))
+        if self._stuck is not None:
+            job = self._stuck
+            raise RangeFetchFailed(
+                FetchFailure.UNREACHABLE,
+                f"range {job.index} of {job.ranges.root[:12]}: no peer left to serve it "
+                f"(dropped: {', '.join(self.report.dropped) or 'none'})",
+            )
+        return self.report
+
+    # ----- choosing work -----
+
+    def _over(self) -> bool:
+        return len(self._done) == len(self._jobs) or self._stuck is not None
+
+    def _pick(self, peer: str) -> RangeJob | None:
+        """The next range for `peer` (see the module docstring), without taking it."""
+        if peer in self._dropped:
+            return None
+        usable = [j for j in self._pending if self._may_serve(peer, j)]
+        pinned = next((j for j in usable if j.pinned == peer), None)
+        if pinned is not None or usable:
+            return pinned or usable[0]
+        for key, copies in self._in_flight.items():  # the end game
+            job = self._jobs[key]
+            if job.pinned is None and peer not in copies and len(copies) < 2 and self._may_serve(peer, job):
+                return job
+        return None
+
+    def _may_serve(self, peer: str, job: RangeJob) -> bool:
+        if job.pinned is not None:
+            return job.pinned == peer
+        return peer not in self._refused_by.get(job.key, ())
+
+    def _check_stuck(self) -> None:
+        """A range nobody left may serve, with nothing in flight that could still deliver it."""
+        live = [p.name for p in self._peers if p.name not in self._dropped]
+        for job in self._pending:
+            if job.key not in self._in_flight and not any(self._may_serve(p, job) for p in live):
+                self._stuck = job
+                return
+
+    # ----- one worker per peer stream -----
+
+    async def _worker(self, peer: RangePeer) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: self._over() or peer.name in self._dropped or self._pick(peer.name) is not None
+                )
+                job = None if self._over() else self._pick(peer.name)
+                if job is None:
+                    return
+                task = self._take(peer, job)
+            await asyncio.wait({task})
+            async with self._changed:
+                self._record(peer.name, job, task)
+                self._changed.notify_all()
+
+    def _take(self, peer: RangePeer, job: RangeJob) -> asyncio.Task[bytes]:
+        with contextlib.suppress(ValueError):
+            self._pending.remove(job)
+        copies = self._in_flight.setdefault(job.key, {})
+        if copies:
+            self.report.duplicates += 1
+        start, stop = job.ranges.span(job.index)
+        task = asyncio.create_task(self._fetch_checked(peer, job, range_timeout_s(stop - start)))
+        copies[peer.name] = task
+        return task
+
+    async def _fetch_checked(self, peer: RangePeer, job: RangeJob, timeout_s: float) -> bytes:
+        try:
+            async with asyncio.timeout(timeout_s):
+                data = await peer.fetch(job.ranges.root, job.index, timeout_s)
+        except TimeoutError:
+            raise PeerFault(FetchFailure.TIMEOUT, f"no range within {timeout_s:.0f} s") from None
+        try:
+            await asyncio.to_thread(job.ranges.check, job.index, data)
+        except RangeError as exc:
+            reason = FetchFailure.HASH_MISMATCH if "hash" in str(exc) else FetchFailure.TRUNCATED
+            raise PeerFault(reason, str(exc)) from None
+        return data
+
+    def _record(self, peer: str, job: RangeJob, task: asyncio.Task[bytes]) -> None:
+        copies = self._in_flight.get(job.key, {})
+        copies.pop(peer, None)
+        if not copies:
+            self._in_flight.pop(job.key, None)
+        if task.cancelled():  # another copy won, or the fetch is over
+            pass
+        elif task.exception() is None:
+            self._won(peer, job, task.result(), copies)
+        else:
+            self._failed(peer, job, task.exception())
+        if not self._over():
+            self._check_stuck()
+        if self._stuck is not None:  # nothing in flight can help any more
+            for others in self._in_flight.values():
+                for other in others.values():
+                    other.cancel()
+
+    def _won(self, peer: str, job: RangeJob, data: bytes, copies: dict[str, asyncio.Task[bytes]]) -> None:
+        if job.key in self._done:
+            return
+        self._done.add(job.key)
+        self._deliver(job, data)
+        self.report.ranges_per_peer[peer] += 1
+        for other in copies.values():
+            other.cancel()
+
+    def _failed(self, peer: str, job: RangeJob, exc: BaseException | None) -> None:
+        if not isinstance(exc, PeerFault):
+            raise exc if exc is not None else AssertionError("a failed range without an exception")
+        reason = str(exc.reason)
+        self.report.failures[reason] += 1
+        if self._on_failure is not None:
+            self._on_failure(reason)
+        logger.warning("range %d from %s refused: %s", job.index, peer, exc)
+        if job.pinned is None:
+            self._refused_by.setdefault(job.key, set()).add(peer)
+        lied = exc.reason in (FetchFailure.HASH_MISMATCH, FetchFailure.TRUNCATED)
+        self._failures[peer] += 1
+        if lied or self._failures[peer] >= self._max_failures:
+            self._drop(peer, reason)
+        if job.key not in self._done and job.key not in self._in_flight and job not in self._pending:
+            self._pending.appendleft(job)
+
+    def _drop(self, peer: str, reason: str) -> None:
+        if peer not in self._dropped:
+            self._dropped.add(peer)
+            self.report.dropped.append(peer)
+            logger.warning("range peer %s dropped (%s): its ranges go to the others", peer, reason)

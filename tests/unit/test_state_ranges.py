@@ -1,0 +1,183 @@
+"""Range lists (hash list, root, bounds) and the many-peer range fetcher, with fake peers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+import pytest
+import torch
+
+from swarmnode.snapshot.ranges import (
+    MAX_RANGE_BYTES,
+    MIN_RANGE_BYTES,
+    RangeError,
+    RangeList,
+    node_layout,
+    shared_layout,
+)
+from swarmnode.swarm.range_fetch import RangeFetcher, RangeFetchFailed, RangeJob
+from swarmnode.util.errors import PeerFault
+from swarmnode.util.labels import FetchFailure
+
+RANGE = MIN_RANGE_BYTES
+
+
+def test_root_is_recomputed_from_the_hash_list_and_binds_every_range() -> None:
+    data = os.urandom(RANGE * 3 + 100)
+    ranges = RangeList.of(data, RANGE)
+    assert len(ranges) == 4 and ranges.span(3) == (RANGE * 3, RANGE * 3 + 100)
+    again = RangeList.from_wire(len(data), RANGE, ranges.packed)
+    assert again.root == ranges.root
+    lied = bytearray(ranges.packed)
+    lied[40] ^= 1
+    assert RangeList.from_wire(len(data), RANGE, bytes(lied)).root != ranges.root
+    assert RangeList.of(data[:-1], RANGE).root != ranges.root  # sizes are in the root too
+
+
+def test_a_corrupt_or_short_range_is_rejected() -> None:
+    data = os.urandom(RANGE * 2)
+    ranges = RangeList.of(data, RANGE)
+    ranges.check(1, data[RANGE:])
+    with pytest.raises(RangeError, match="hash"):
+        ranges.check(1, b"\x00" + data[RANGE + 1 :])
+    with pytest.raises(RangeError, match="bytes"):
+        ranges.check(0, data[: RANGE - 1])
+    with pytest.raises(RangeError):
+        ranges.span(2)
+
+
+@pytest.mark.parametrize(
+    ("total", "range_bytes", "count"),
+    [
+        (10, MIN_RANGE_BYTES - 1, 1),  # range size out of bounds
+        (10, MAX_RANGE_BYTES + 1, 1),
+        (RANGE * 2, RANGE, 3),  # a hash list that does not fit the size
+        (RANGE * 2, RANGE, 1),
+        (RANGE << 20, RANGE, 0),  # more ranges than a reader accepts
+    ],
+)
+def test_bounds_are_checked_before_anything_is_allocated(total: int, range_bytes: int, count: int) -> None:
+    with pytest.raises(RangeError):
+        RangeList.from_wire(total, range_bytes, b"\x00" * 32 * count)
+    with pytest.raises(RangeError):
+        RangeList.from_wire(total, RANGE, b"\x00" * 31)
+
+
+def test_layouts_split_the_state_into_shared_and_node_parts() -> None:
+    f32 = torch.float32
+    template = {
+        "model/w": (f32, (2, 3)),
+        "inner/w/exp_avg": (f32, (2, 3)),
+        "inner/w/exp_avg_sq": (f32, (2, 3)),
+        "global/w": (f32, (2, 3)),
+        "global/b": (f32, (3,)),
+        "outer_momentum/w": (f32, (2, 3)),
+        "outer_momentum/b": (f32, (3,)),
+        "rng/torch": (torch.uint8, (8,)),
+    }
+    shared = shared_layout(template)
+    assert [n for n, _ in shared.tensors] == ["global/w", "global/b", "outer_momentum/w", "outer_momentum/b"]
+    assert shared.total_bytes == 4 * 18
+    assert [n for n, _ in node_layout(template).tensors] == ["inner/w/exp_avg", "inner/w/exp_avg_sq"]
+
+
+# ----- the fetcher -----
+
+
+class FakePeer:
+    """Serves blobs by root; `corrupt`: flips a byte of every range; `delay_s`: answers late; `dead`:
+    never reachable."""
+
+    def __init__(self, name: str, blobs: dict[str, bytes], ranges: dict[str, RangeList], **how: object):
+        self.name, self.blobs, self.ranges = name, blobs, ranges
+        self.corrupt = bool(how.get("corrupt"))
+        self.delay_s = float(how.get("delay_s", 0.0))  # type: ignore[arg-type]
+        self.dead = bool(how.get("dead"))
+        self.asked = 0
+
+    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes:
+        self.asked += 1
+        if self.dead:
+            raise PeerFault(FetchFailure.UNREACHABLE, f"{self.name} is down")
+        await asyncio.sleep(self.delay_s)
+        start, stop = self.ranges[root].span(index)
+        data = self.blobs[root][start:stop]
+        return bytes([data[0] ^ 0xFF]) + data[1:] if self.corrupt else data
+
+
+def blob(n_ranges: int) -> tuple[bytes, RangeList]:
+    data = os.urandom(RANGE * n_ranges)
+    return data, RangeList.of(data, RANGE)
+
+
+def fetch_all(peers: list[FakePeer], jobs: list[RangeJob], **kw: object) -> tuple[dict, object]:
+    got: dict[tuple[str, int], bytes] = {}
+
+    def deliver(job: RangeJob, data: bytes) -> None:
+        assert job.key not in got, "delivered twice"
+        got[job.key] = data
+
+    report = asyncio.run(RangeFetcher(peers, jobs, deliver, **kw).run())  # type: ignore[arg-type]
+    return got, report
+
+
+def test_ranges_come_from_the_honest_peers_when_one_lies_one_is_slow_and_one_is_dead() -> None:
+    shared, shared_ranges = blob(24)
+    node, node_ranges = blob(4)
+    blobs = {shared_ranges.root: shared, node_ranges.root: node}
+    lists = {shared_ranges.root: shared_ranges, node_ranges.root: node_ranges}
+    honest = FakePeer("honest", blobs, lists)
+    other = FakePeer("other", blobs, lists)
+    liar = FakePeer("liar", blobs, lists, corrupt=True)
+    slow = FakePeer("slow", blobs, lists, delay_s=3.0)
+    dead = FakePeer("dead", blobs, lists, dead=True)
+    jobs = [RangeJob(shared_ranges, i) for i in range(len(shared_ranges))]
+    jobs += [RangeJob(node_ranges, i, pinned="honest") for i in range(len(node_ranges))]
+    failures: list[str] = []
+    got, report = fetch_all([liar, slow, dead, honest, other], jobs, on_failure=failures.append)
+    assembled = b"".join(got[(shared_ranges.root, i)] for i in range(len(shared_ranges)))
+    assert hashlib.sha256(assembled).digest() == hashlib.sha256(shared).digest()
+    assert all(got[(node_ranges.root, i)] == node[i * RANGE : (i + 1) * RANGE] for i in range(4))
+    assert set(report.dropped) >= {"liar", "dead"}  # type: ignore[attr-defined]
+    assert report.ranges_per_peer["liar"] == 0 and report.ranges_per_peer["dead"] == 0  # type: ignore
+    assert report.failures["hash_mismatch"] >= 1 and report.failures["unreachable"] >= 2  # type: ignore
+    assert "hash_mismatch" in failures
+    # The slow peer's ranges were fetched again by a fast one: nobody waited for all of them.
+    assert report.ranges_per_peer["slow"] <= 2, report  # type: ignore[attr-defined]
+
+
+def test_the_work_of_a_peer_that_dies_is_reassigned() -> None:
+    shared, ranges = blob(12)
+    blobs, lists = {ranges.root: shared}, {ranges.root: ranges}
+    a, b = FakePeer("a", blobs, lists), FakePeer("b", blobs, lists)
+
+    async def dies_after_two(root: str, index: int, timeout_s: float) -> bytes:
+        a.asked += 1
+        if a.asked > 2:
+            raise PeerFault(FetchFailure.UNREACHABLE, "gone")
+        return await FakePeer.fetch(b, root, index, timeout_s)
+
+    a.fetch = dies_after_two  # type: ignore[method-assign]
+    got, report = fetch_all([a, b], [RangeJob(ranges, i) for i in range(12)])
+    assert len(got) == 12 and report.dropped == ["a"]  # type: ignore[attr-defined]
+    assert report.ranges_per_peer["b"] >= 10  # type: ignore[attr-defined]
+
+
+def test_a_pinned_range_whose_peer_lies_fails_the_fetch() -> None:
+    node, ranges = blob(3)
+    blobs, lists = {ranges.root: node}, {ranges.root: ranges}
+    liar, honest = FakePeer("liar", blobs, lists, corrupt=True), FakePeer("honest", blobs, lists)
+    jobs = [RangeJob(ranges, i, pinned="liar") for i in range(3)]
+    with pytest.raises(RangeFetchFailed, match="no peer left"):
+        fetch_all([liar, honest], jobs)
+    assert honest.asked == 0
+
+
+def test_only_liars_fail_the_fetch() -> None:
+    shared, ranges = blob(4)
+    blobs, lists = {ranges.root: shared}, {ranges.root: ranges}
+    liars = [FakePeer(f"liar{i}", blobs, lists, corrupt=True) for i in range(3)]
+    with pytest.raises(RangeFetchFailed):
+        fetch_all(liars, [RangeJob(ranges, i) for i in range(4)])  # type: ignore[arg-type]
