@@ -76,6 +76,7 @@ class NodeConfig:
     wait_peers: int = 0
     max_serving: int = 2
     max_serving_per_peer: int = 1
+    recovery_peers: int = 3
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 30.0
     max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
@@ -183,6 +184,16 @@ def _group_size(text: str) -> int:
     value = int(text)
     if not MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE:
         raise ValueError(f"must be in {MIN_GROUP_SIZE}..{MAX_GROUP_SIZE}")
+    return value
+
+
+MAX_RECOVERY_PEERS = 16
+
+
+def _recovery_peers(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_RECOVERY_PEERS:
+        raise ValueError(f"must be in 1..{MAX_RECOVERY_PEERS}")
     return value
 
 
@@ -387,6 +398,12 @@ FLAGS: tuple[Flag, ...] = (
         "max_serving_per_peer",
         _positive_int,
         "most concurrent snapshot streams served to one host (all of loopback is one host)",
+    ),
+    Flag(
+        "recovery_peers",
+        _recovery_peers,
+        "K: a recovering node fetches the swarm's shared state (global params, outer momentum) as "
+        "verified ranges from up to K peers at once; 1: one whole snapshot from one peer",
     ),
     Flag(
         "matchmaking_timeout_s",

@@ -35,6 +35,7 @@ from swarmnode.node.startup import lock_data_dir, preflight
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.joining import peer_fetcher, restore_at_start
+from swarmnode.swarm.many_peers import ManyPeerFetch
 from swarmnode.swarm.membership import DuplicateIdentity, Membership
 from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
 from swarmnode.swarm.rounds import RoundResult
@@ -157,6 +158,21 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
         training.close()
 
 
+def many_peer_fetch(parts: NodeParts, channels: rpc.ChannelCache) -> ManyPeerFetch | None:
+    """Recovery from up to --recovery-peers peers at once (None for 1: one whole snapshot at a time)."""
+    if parts.cfg.recovery_peers < 2:
+        return None
+    metrics = parts.metrics
+    return ManyPeerFetch(
+        parts.run.template(),
+        parts.run.identity.run_digest,
+        parts.cfg.recovery_peers,
+        channels,
+        on_range_failure=lambda reason: metrics.range_failures.labels(reason).inc(),
+        on_bytes=metrics.fetch_bytes.inc,
+    )
+
+
 def phase_before_round(last_round: RoundResult | None) -> Phase:
     """What a node does from the end of one round to its next inner phase: after a missed round (or a
     lost digest vote) the catch-up waits for the swarm's next step; after a round without a group it
@@ -215,6 +231,7 @@ class Node:
             training,
             peer_fetcher(parts.run, parts.metrics, services.channels),
             lambda reason: parts.metrics.fetch_failures.labels(reason).inc(),
+            many=many_peer_fetch(parts, services.channels),
         )
         parts.checkpointer.subscribe(self._on_snapshot_written)  # before any snapshot is written
 

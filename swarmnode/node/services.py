@@ -29,11 +29,13 @@ from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.dial_back import DialBackServicer
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
+from swarmnode.net.state_ranges import RangeFilter, StateRangeServicer
 from swarmnode.node.config import NodeConfig
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.snapshot.checkpointer import SpeculativeCheckpointer
 from swarmnode.swarm.allreduce import fetch_group, propose_group
 from swarmnode.swarm.matchmaking import Matchmaker
+from swarmnode.swarm.range_source import SnapshotRanges
 from swarmnode.swarm.reachability import ReachabilityMonitor, initial_mode
 from swarmnode.swarm.reducer import AveragingServicer
 from swarmnode.swarm.rounds import RoundResult, SwarmRounds
@@ -131,7 +133,7 @@ async def start_services(
     def status_now() -> rpc.NodeStatus:
         return status(dht.peer_count())
 
-    servicers = (averaging.register, dial_back.register)
+    servicers = (averaging.register, dial_back.register, _range_servicer(checkpointer, metrics).register)
     ports.grpc = await _start_rpc(stack, cfg, checkpointer, metrics, security, servicers, status_now)
     await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
@@ -148,6 +150,15 @@ async def start_services(
     rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
     return Services(ports, address, dht, rounds, channels, reachability)
+
+
+def _range_servicer(checkpointer: SpeculativeCheckpointer, metrics: Metrics) -> StateRangeServicer:
+    """The node's snapshots served as state ranges (README "Recovery from many peers")."""
+    assert checkpointer.owner is not None
+    source = SnapshotRanges(checkpointer.list_snapshots, checkpointer.owner.template)
+    return StateRangeServicer(
+        source, on_served=lambda nbytes: metrics.ranges_served.inc(), range_filter=range_faults()
+    )
 
 
 def _matchmaker(
@@ -271,6 +282,21 @@ def serve_faults() -> rpc.ServeFaults | None:
     return rpc.ServeFaults(
         chunk_filter=chunk_filter, cut_at_offset=int(truncate.arg or 1 << 20) if truncate else None
     )
+
+
+def range_faults() -> RangeFilter | None:
+    """Test-only: `corrupt@serve_range` flips a byte of each state range served (a lying peer)."""
+    if not faults.armed("serve_range"):
+        return None
+
+    async def corrupt(index: int, data: bytes) -> bytes:
+        fault = await faults.ahit("serve_range")
+        if fault is None or fault.action != "corrupt" or not data:
+            return data
+        logger.warning("fault: state range %d served corrupted", index)
+        return bytes([data[0] ^ 0xFF]) + data[1:]
+
+    return corrupt
 
 
 # ----- what the node reports -----

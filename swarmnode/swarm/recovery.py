@@ -7,12 +7,18 @@ candidate that fails (unreachable, refused, hash mismatch, truncated, malformed)
 next one is tried.
 Nothing local changes before a new state has been fully read and verified.
 
+With `--recovery-peers K` above 1, a peer candidate's outer step is first tried from many peers at
+once (many_peers.py: the shared θ_g and outer momentum as verified ranges from up to K peers that agree
+on them, the inner moments and cursors from one); if that fails for any reason, the same candidates are
+tried one whole snapshot at a time, as with K = 1.
+
 The node's own data cursor comes from its own snapshot when that is what it restored; otherwise from the
 freshest of its own last DHT announcement and its own older snapshots; else it starts its shard afresh.
 
 A receipt is one JSON line appended to DATA_DIR/receipts.jsonl per start: where the state came from,
 which snapshot, the seconds of each stage (look-up, fetch, verify, load), the cursor used, and the first
-loss after vs. the loss the snapshot recorded.
+loss after vs. the loss the snapshot recorded; from many peers also the peers used, the ranges each
+served and the range failures by reason.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot, read_snapshot_stream
 from swarmnode.snapshot.tensors import LoadedSnapshot
 from swarmnode.swarm.announcements import Announcement
+from swarmnode.swarm.many_peers import ManyPeerFetch, RangedState
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import CursorSource, FetchFailure, RecoverySource
 from swarmnode.util.threads import TrainingThread
@@ -57,6 +64,8 @@ class Receipt:
     bytes: int = 0
     outer_step: int = 0
     inner_step: int = 0
+    global_digest: str | None = None
+    """sha256 of the restored θ_g (as members' status reports it)."""
     cursor: dict[str, int] = field(default_factory=dict)
     cursor_source: CursorSource = CursorSource.FRESH
     stages_s: dict[str, float] = field(default_factory=dict)
@@ -64,6 +73,10 @@ class Receipt:
     loss_before: float | None = None
     first_loss_after: float | None = None
     failed_candidates: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+    """Recovery from many peers: every peer that served ranges (the first also the node part)."""
+    ranges_per_peer: dict[str, int] = field(default_factory=dict)
+    range_failures: dict[str, int] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:
@@ -109,11 +122,17 @@ class Recovery:
     """One start's recovery: candidates in, a restored `TrainingRun` and a receipt out."""
 
     def __init__(
-        self, run: TrainingRun, training: TrainingThread, fetch: Fetcher, on_failure: Callable[[str], None]
+        self,
+        run: TrainingRun,
+        training: TrainingThread,
+        fetch: Fetcher,
+        on_failure: Callable[[str], None],
+        many: ManyPeerFetch | None = None,
     ) -> None:
         """Restores run on `training` (the owner of `run`); fetches and decoding on the event loop and
-        worker threads."""
+        worker threads. `many`: try recovering from many peers at once first (None: one at a time)."""
         self.run, self.training, self.fetch, self.on_failure = run, training, fetch, on_failure
+        self.many = many
         self.verified: set[str] = set()
         self.local: list[LocalSnapshot] = []
 
@@ -138,8 +157,14 @@ class Recovery:
         def freshest_own(meta: SnapshotMetadata) -> CursorChoice:
             return self._own_cursor(own, meta.swarm_cursors)
 
+        tried_ranges: set[int] = set()
         for candidate in candidates:
-            receipt = await self._try(candidate, freshest_own, failed)
+            receipt = None
+            if candidate.announcement is not None and candidate.outer_step not in tried_ranges:
+                tried_ranges.add(candidate.outer_step)
+                receipt = await self._try_many(peers, candidate.outer_step, freshest_own, failed)
+            if receipt is None:
+                receipt = await self._try(candidate, freshest_own, failed)
             if receipt is not None:
                 receipt.stages_s["lookup"] = lookup_s
                 receipt.failed_candidates = failed
@@ -175,6 +200,44 @@ class Recovery:
             logger.exception("recovery candidate %s failed unexpectedly", candidate.describe())
             self._refused(candidate, FetchFailure.INTERNAL, exc, failed)
         return None
+
+    async def _try_many(
+        self, peers: list[Announcement], outer_step: int, choose: CursorRule, failed: list[str]
+    ) -> Receipt | None:
+        """The state at `outer_step` from many peers at once; None (counted, noted) on any failure."""
+        if self.many is None:
+            return None
+        started = time.perf_counter()
+        try:
+            state = await self.many.fetch(peers, outer_step)
+            receipt = await self.training.run(
+                self._adopt_peer_snapshot, state.node_peer, state.loaded, choose
+            )
+        except (PeerFault, SnapshotError) as exc:
+            reason = exc.reason if isinstance(exc, PeerFault) else FetchFailure.INVALID
+            self._many_refused(outer_step, reason, exc, failed)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a bug here: fall back to one peer at a time
+            logger.exception("recovery from many peers at outer step %d failed unexpectedly", outer_step)
+            self._many_refused(outer_step, FetchFailure.INTERNAL, exc, failed)
+            return None
+        return self._many_receipt(receipt, state, started)
+
+    def _many_refused(
+        self, outer_step: int, reason: FetchFailure, exc: BaseException, failed: list[str]
+    ) -> None:
+        self.on_failure(reason)
+        failed.append(f"many peers at outer step {outer_step}: {reason}: {exc}")
+        logger.warning("recovery from many peers refused: %s; one peer at a time now", failed[-1])
+
+    @staticmethod
+    def _many_receipt(receipt: Receipt, state: RangedState, started: float) -> Receipt:
+        receipt.peers = list(state.peers)
+        receipt.ranges_per_peer = dict(state.ranges_per_peer)
+        receipt.range_failures = dict(state.failures)
+        receipt.stages_s.update(state.stages_s)
+        receipt.seconds = time.perf_counter() - started
+        return receipt
 
     def _refused(
         self, candidate: Candidate, reason: FetchFailure, exc: BaseException, failed: list[str]
@@ -232,6 +295,7 @@ class Recovery:
             stages_s={"verify": verified - started, "load": done - verified},
             seconds=done - started,
             loss_before=meta.last_loss,
+            global_digest=self.run.sample.global_digest,
         )
 
     async def _restore_peer(self, peer: Announcement, choose: CursorRule) -> Receipt:
@@ -290,6 +354,7 @@ class Recovery:
             cursor_source=cursor.source,
             stages_s={"load": time.perf_counter() - started},
             loss_before=meta.last_loss,
+            global_digest=self.run.sample.global_digest,
         )
 
     def _lineage_cursor(self, lineage: Mapping[str, dict[str, int]] | None) -> dict[str, int] | None:

@@ -12,6 +12,7 @@ Tests set `SWARMNODE_FAULTS` on a `swarmnode run` child, e.g.::
     nan@delta                   the pseudo-gradients it sends hold NaNs
     lie@sender                  its all-reduce headers claim another member's index and node id
     lie@part                    its all-reduce headers claim another member's part
+    corrupt@serve_range         every state range it serves to a recovering peer has a byte flipped
 
 Grammar: comma-separated `ACTION@POINT[#COUNT][=ARG]`; without `#COUNT` the fault fires at every hit.
 Points count their own hits from 1 unless the caller passes the index (e.g. the inner step). The fault
@@ -51,6 +52,7 @@ LOOP_POINTS = (
     "global_params",  # after an outer step; corrupt makes the node's global params go astray
     "allreduce_send",  # before each part an all-reduce member sends
     "allreduce_reduce",  # before a reducer publishes its part's average
+    "serve_range",  # each state range served to a recovering peer; corrupt flips a byte
 )
 """Points hit with `await ahit()`, on the event loop."""
 LOOKED_UP_POINTS = (

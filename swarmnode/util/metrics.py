@@ -130,6 +130,15 @@ class Metrics:
         self.fetch_failures = Counter(
             "swarmnode_fetch_failures", "Snapshot fetches refused or failed", ["reason"], registry=r
         )
+        self.ranges_served = Counter(
+            "swarmnode_ranges_served", "State ranges served to recovering peers", registry=r
+        )
+        self.range_failures = Counter(
+            "swarmnode_range_failures",
+            "State ranges refused or failed in recoveries from many peers",
+            ["reason"],
+            registry=r,
+        )
         self.recoveries = Counter(
             "swarmnode_recoveries", "Restores at start, by where the state came from", ["source"], registry=r
         )
@@ -145,6 +154,7 @@ class Metrics:
         )
         for failure in FETCH_FAILURE_REASONS:
             self.fetch_failures.labels(failure)
+            self.range_failures.labels(failure)
         for source in RECOVERY_SOURCES:
             self.recoveries.labels(source)
         for rejected in DHT_REJECT_REASONS:

@@ -95,8 +95,11 @@ def test_corrupt_and_truncating_peers_are_refused_and_the_next_candidate_used(tm
 
     wait_for(bad_servers_ahead, 90, "both bad servers' snapshots to be fresher than the honest one's")
     honest.signal(signal.SIGCONT)
+    # One whole snapshot at a time (the path under test): from many peers, the two bad servers' state
+    # ranges (which these faults leave alone) would serve the joiner.
     joiner = reaper.node(
-        tmp_path / "joiner", [*ARGS, "--peers", f"127.0.0.1:{nodes[1].info['dht_port']}"]
+        tmp_path / "joiner",
+        [*ARGS, "--recovery-peers", "1", "--peers", f"127.0.0.1:{nodes[1].info['dht_port']}"],
     ).start()
     receipt = wait_for(lambda: read_receipts(joiner.data_dir), 90, "the joiner's receipt")[0]
     assert receipt["source"] == "peer" and receipt["peer"] == honest.grpc_address, receipt

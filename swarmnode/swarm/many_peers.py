@@ -1,0 +1,276 @@
+"""Recovery's fetch from many peers at once (README "Recovery from many peers").
+
+Given the peers that announced snapshots at one outer step, it asks up to `2K` of them for their range
+manifests (snapshot/ranges.py, net/state_ranges.py) and trusts a shared-part root only when at least
+`min_agreeing` (2) peers hand in range lists that hash to it — a root is recomputed here, never read from
+the wire — and when their totals fit this node's own model. Up to K of the agreeing peers serve the
+shared ranges (θ_g and outer momentum) in parallel, a bad one's ranges re-fetched from the others
+(range_fetch.py); the node part (inner moments) and the metadata come from one of them, the freshest,
+whose snapshot metadata must be of this run and step. Once every range verified, θ_g's bytes must hash
+to the global digest that metadata records. Only then is a `LoadedSnapshot` built (tensors viewing the
+received bytes; nothing unpickled) for `Recovery` to adopt as it adopts a peer's snapshot.
+
+Failure semantics: any failure raises a `PeerFault` (fewer than two agreeing peers, a malformed
+manifest, a range nobody left can serve, a digest that does not match) and nothing local has changed;
+the caller falls back to fetching one whole snapshot from one peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmnode.net import rpc, state_ranges
+from swarmnode.net.state_ranges import RangeManifest
+from swarmnode.snapshot.format import SnapshotError, SnapshotHeader
+from swarmnode.snapshot.metadata import SnapshotMetadata
+from swarmnode.snapshot.ranges import BlobLayout, node_layout, shared_layout
+from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
+from swarmnode.swarm.announcements import Announcement
+from swarmnode.swarm.range_fetch import FetchReport, RangeFetcher, RangeJob
+from swarmnode.util.errors import PeerFault
+from swarmnode.util.labels import FetchFailure
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_TIMEOUT_S = 30.0
+"""A peer may need a second or two to read its snapshot into ranges before it answers."""
+MIN_AGREEING = 2
+
+
+class ManyPeersUnavailable(PeerFault):
+    """No verified state could be put together from several peers; fall back to one."""
+
+
+@dataclass(frozen=True)
+class RangedState:
+    """A peer state put together from ranges, verified, ready to adopt."""
+
+    loaded: LoadedSnapshot
+    node_peer: Announcement
+    """The peer whose node part (inner moments, cursors, steps) was taken."""
+    peers: tuple[str, ...]
+    ranges_per_peer: dict[str, int]
+    failures: dict[str, int]
+    stages_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Assembly:
+    """The blobs being filled, across fetcher runs with different node-part peers."""
+
+    shared: bytearray
+    node: bytearray
+    shared_done: set[int] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+    report: FetchReport = field(default_factory=FetchReport)
+
+    def merge(self, report: FetchReport) -> None:
+        self.report.ranges_per_peer.update(report.ranges_per_peer)
+        self.report.failures.update(report.failures)
+        self.report.duplicates += report.duplicates
+        self.dropped.update(report.dropped)
+
+
+class GrpcRangePeer:
+    """A `range_fetch.RangePeer` over gRPC."""
+
+    def __init__(self, address: str, channels: rpc.ChannelCache | None) -> None:
+        self.name, self._channels = address, channels
+
+    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes:
+        return await state_ranges.fetch_range(self.name, root, index, timeout_s, self._channels)
+
+
+class ManyPeerFetch:
+    """Puts a peer state together from up to `max_peers` peers for one node's template."""
+
+    def __init__(
+        self,
+        template: TensorTemplate,
+        run_digest: str,
+        max_peers: int,
+        channels: rpc.ChannelCache | None = None,
+        on_range_failure: Callable[[str], None] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        min_agreeing: int = MIN_AGREEING,
+    ) -> None:
+        self._template, self._run_digest, self._max_peers = dict(template), run_digest, max_peers
+        self._channels, self._on_range_failure, self._on_bytes = channels, on_range_failure, on_bytes
+        self._min_agreeing = min_agreeing
+        self._shared, self._node = shared_layout(template), node_layout(template)
+
+    async def fetch(self, peers: Sequence[Announcement], outer_step: int) -> RangedState:
+        """The state at `outer_step` from the peers that announced it; ManyPeersUnavailable else."""
+        started = time.perf_counter()
+        at_step = sorted((p for p in peers if p.outer_step == outer_step), key=lambda p: p.freshness)[::-1]
+        if len(at_step) < self._min_agreeing:
+            raise ManyPeersUnavailable(
+                FetchFailure.REFUSED, f"{len(at_step)} peer(s) at outer step {outer_step}, fewer than 2"
+            )
+        agreeing = await self._agreeing(at_step[: 2 * self._max_peers], outer_step)
+        sources = agreeing[: self._max_peers]
+        asked = time.perf_counter()
+        assembly, node_peer, manifest, meta = await self._fetch_blobs(sources, outer_step)
+        fetched = time.perf_counter()
+        await asyncio.to_thread(self._check_global_digest, assembly.shared, meta)
+        loaded = self._loaded(manifest, meta, assembly.shared, assembly.node)
+        report = assembly.report
+        return RangedState(
+            loaded,
+            node_peer,
+            tuple(a.address for a, _ in sources),
+            dict(report.ranges_per_peer),
+            dict(report.failures),
+            {"manifests": asked - started, "fetch": fetched - asked, "verify": time.perf_counter() - fetched},
+        )
+
+    async def _agreeing(
+        self, peers: Sequence[Announcement], outer_step: int
+    ) -> list[tuple[Announcement, RangeManifest]]:
+        """The peers (freshest first) whose shared range list is the one most of them hand in, if at
+        least `min_agreeing` do and it fits this node's model."""
+        answers = await asyncio.gather(*(self._manifest(p, outer_step) for p in peers))
+        usable = [(p, m) for p, m in zip(peers, answers, strict=True) if m is not None]
+        votes = Counter(m.shared.root for _, m in usable)
+        if not votes or votes.most_common(1)[0][1] < self._min_agreeing:
+            raise ManyPeersUnavailable(
+                FetchFailure.REFUSED,
+                f"no shared root at outer step {outer_step} that {self._min_agreeing} peers agree on "
+                f"({len(usable)} of {len(peers)} manifests, {len(votes)} distinct roots)",
+            )
+        root = votes.most_common(1)[0][0]
+        return [(p, m) for p, m in usable if m.shared.root == root]
+
+    async def _manifest(self, peer: Announcement, outer_step: int) -> RangeManifest | None:
+        try:
+            manifest = await state_ranges.get_range_manifest(
+                peer.address, outer_step, MANIFEST_TIMEOUT_S, self._channels
+            )
+            self._check_sizes(manifest, outer_step)
+        except PeerFault as exc:
+            logger.info("no range manifest from %s: %s", peer.address, exc)
+            if self._on_range_failure is not None:
+                self._on_range_failure(str(exc.reason))
+            return None
+        return manifest
+
+    def _check_sizes(self, manifest: RangeManifest, outer_step: int) -> None:
+        for name, ranges, layout in (
+            ("shared", manifest.shared, self._shared),
+            ("node", manifest.node, self._node),
+        ):
+            if ranges.total_bytes != layout.total_bytes:
+                raise ManyPeersUnavailable(
+                    FetchFailure.INVALID,
+                    f"its {name} part has {ranges.total_bytes} bytes, this model {layout.total_bytes}",
+                )
+        if manifest.outer_step != outer_step:
+            raise ManyPeersUnavailable(FetchFailure.INVALID, f"a manifest of step {manifest.outer_step}")
+
+    def _check_metadata(self, manifest: RangeManifest, outer_step: int) -> SnapshotMetadata:
+        try:
+            meta = SnapshotMetadata.parse(json.loads(manifest.metadata_json))
+        except (ValueError, TypeError, SnapshotError) as exc:
+            raise ManyPeersUnavailable(FetchFailure.INVALID, f"its metadata: {exc}") from None
+        if meta.run_digest != self._run_digest or meta.outer_step != outer_step:
+            raise ManyPeersUnavailable(
+                FetchFailure.INVALID, "its metadata is of another run configuration or outer step"
+            )
+        return meta
+
+    async def _fetch_blobs(
+        self, sources: list[tuple[Announcement, RangeManifest]], outer_step: int
+    ) -> tuple[_Assembly, Announcement, RangeManifest, SnapshotMetadata]:
+        """Fills both blobs from `sources`, the node part from the first of them that serves it whole:
+        a node-part peer that fails is dropped and its successor's node part fetched instead, while
+        the shared ranges already verified are kept."""
+        first = sources[0][1]
+        assembly = _Assembly(bytearray(first.shared.total_bytes), bytearray(first.node.total_bytes))
+        refusals = []
+        for node_peer, manifest in sources:
+            if node_peer.address in assembly.dropped:
+                continue
+            addresses = [a.address for a, _ in sources if a.address not in assembly.dropped]
+            try:
+                meta = self._check_metadata(manifest, outer_step)
+                await self._fetch_with(assembly, addresses, node_peer.address, manifest)
+            except PeerFault as exc:
+                refusals.append(f"{node_peer.address}: {exc}")
+                assembly.dropped.add(node_peer.address)
+                continue
+            return assembly, node_peer, manifest, meta
+        raise ManyPeersUnavailable(FetchFailure.UNREACHABLE, "; ".join(refusals) or "no source left")
+
+    async def _fetch_with(
+        self, assembly: _Assembly, addresses: list[str], node_source: str, manifest: RangeManifest
+    ) -> None:
+        """One fetcher run: the shared ranges still missing from any of `addresses`, the whole node
+        part from `node_source`."""
+        node_jobs = [RangeJob(manifest.node, i, pinned=node_source) for i in range(len(manifest.node))]
+        missing = [i for i in range(len(manifest.shared)) if i not in assembly.shared_done]
+        jobs = node_jobs + [RangeJob(manifest.shared, i) for i in missing]
+
+        def deliver(job: RangeJob, data: bytes) -> None:
+            start, stop = job.ranges.span(job.index)
+            if job.pinned is None:
+                assembly.shared[start:stop] = data
+                assembly.shared_done.add(job.index)
+            else:
+                assembly.node[start:stop] = data
+            if self._on_bytes is not None:
+                self._on_bytes(len(data))
+
+        peers = [GrpcRangePeer(a, self._channels) for a in addresses]
+        fetcher = RangeFetcher(peers, jobs, deliver, on_failure=self._on_range_failure)
+        try:
+            await fetcher.run()
+        finally:
+            assembly.merge(fetcher.report)
+        logger.info(
+            "fetched %d shared + %d node ranges from %d peers: %s (failures %s, %d end-game copies)",
+            len(missing),
+            len(node_jobs),
+            len(addresses),
+            dict(fetcher.report.ranges_per_peer),
+            dict(fetcher.report.failures) or "none",
+            fetcher.report.duplicates,
+        )
+
+    def _check_global_digest(self, shared: bytearray, meta: SnapshotMetadata) -> None:
+        global_bytes = sum(size for name, size in self._shared.tensors if name.startswith("global/"))
+        digest = hashlib.sha256(memoryview(shared)[:global_bytes]).hexdigest()
+        if digest != meta.global_digest:
+            raise ManyPeersUnavailable(
+                FetchFailure.HASH_MISMATCH,
+                f"θ_g from the agreed ranges hashes to {digest[:12]}, not {meta.global_digest[:12]}",
+            )
+
+    def _loaded(
+        self, manifest: RangeManifest, meta: SnapshotMetadata, shared: bytearray, node: bytearray
+    ) -> LoadedSnapshot:
+        tensors = {**self._views(shared, self._shared), **self._views(node, self._node)}
+        for name, (dtype, shape) in self._template.items():
+            if name.startswith("model/"):  # never fetched: adopting restarts the round from θ_g
+                tensors[name] = tensors["global/" + name.removeprefix("model/")]
+            elif name.startswith("rng/"):  # never fetched: the RNG stays this node's own
+                tensors[name] = torch.zeros(shape, dtype=dtype)
+        header = SnapshotHeader(json.loads(manifest.metadata_json), meta.layout, ())
+        total = manifest.shared.total_bytes + manifest.node.total_bytes
+        return LoadedSnapshot(manifest.snapshot_id, header, tensors, total)
+
+    def _views(self, blob: bytearray, layout: BlobLayout) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, start, stop in layout.offsets():
+            dtype, shape = self._template[name]
+            count = (stop - start) // dtype.itemsize
+            views[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=start).view(shape)
+        return views
