@@ -8,6 +8,9 @@ the wall clock gives kill → first inner step. Each stage then runs alone on a 
 recovered from: a DHT look-up (before the kill, every node alive; repeated after the restart to show
 what a dead address costs), a gRPC fetch from a worker process, sha256, zstd decompression, decoding
 into tensors (`read_snapshot`: the node's "verify" stage) and loading into a model (its "load" stage).
+
+With `--peers K` (or `--mbit R`) it measures recovery from one peer against recovery from K peers at
+once on a capped bed instead (`recovery_peers.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import zstandard
 
 from swarmnode.bench.fetch import grpc_fetch
+from swarmnode.bench.recovery_peers import bench_recovery_peers
 from swarmnode.bench.runner import BenchResult, timed, trained_run
 from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.identity import Identity
@@ -59,8 +63,13 @@ class Restart:
     """The same once B runs again (its peers may still know it at its old address)."""
 
 
-def bench_recovery(preset_name: str, steps: int = 5) -> BenchResult:
-    """`steps`: inner steps between the nodes' hot snapshots."""
+def bench_recovery(
+    preset_name: str, steps: int = 5, peers: int | None = None, mbit: float | None = None
+) -> BenchResult:
+    """`steps`: inner steps between the nodes' hot snapshots. `peers` (or `mbit`): instead, one peer
+    against `peers` (default 3) on a bed capped at `mbit` (default 50) Mbit/s (`recovery_peers.py`)."""
+    if peers is not None or mbit is not None:
+        return bench_recovery_peers(preset_name, peers or 3, mbit or 50.0)
     for noisy in ("rpcudp", "kademlia"):  # this process's DHT client: a killed peer's timeouts are expected
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     result = BenchResult("recovery", preset_name)

@@ -9,7 +9,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | --- | --- | --- |
 | `snapshot` | hot-snapshot stall of the training thread | memcpy of the same bytes |
 | `fetch` | gRPC snapshot fetch throughput | raw loopback TCP of the same bytes |
-| `recovery` | kill -9 → trained again, by stage | each stage alone on the same file |
+| `recovery` | kill -9 → trained again; `--peers K`: from K peers | each stage alone; from one peer |
 | `allreduce` | butterfly all-reduce of a pseudo-gradient | gloo `all_reduce`; 2(N−1)/N · bytes / raw TCP |
 | `train` | tokens/s of a real node; DiLoCo quality | a bare training loop; synchronous DP |
 | `quality` | DiLoCo's held-out loss over a run; a sweep of its settings | synchronous DP; one worker |
@@ -57,6 +57,7 @@ KNOBS = (
     "swarm",
     "variants",
     "mbit",
+    "peers",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 

@@ -95,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_counts,
         help="all-reduce processes (allreduce), DiLoCo workers (train) or swarm sizes (swarm: 8,16,32)",
     )
-    bench.add_argument("--mbit", type=float, help="wan: each node's link cap, Mbit/s each way (default 50)")
+    bench.add_argument(
+        "--mbit", type=float, help="wan, recovery --peers: each node's link cap, Mbit/s each way (default 50)"
+    )
+    bench.add_argument(
+        "--peers",
+        type=int,
+        help="recovery: recover from this many peers at once against from one, on a capped bed (root)",
+    )
     bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
     bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
