@@ -27,6 +27,7 @@ from swarmnode.proto.v1 import ranges_pb2 as pb
 from swarmnode.proto.v1 import ranges_pb2_grpc as pb_grpc
 from swarmnode.snapshot.ranges import RangeError, RangeList
 from swarmnode.util.labels import FetchFailure
+from swarmnode.util.validate import is_sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class RangeManifest:
         """Raises RangeError when a range list is malformed or the metadata oversized."""
         if len(msg.metadata_json) > MAX_METADATA_CHARS:
             raise RangeError(f"metadata of {len(msg.metadata_json)} characters")
+        if not is_sha256_hex(msg.snapshot_id):
+            raise RangeError("the snapshot id is not a sha256 hex digest")
         return cls(
             msg.outer_step,
             msg.snapshot_id,

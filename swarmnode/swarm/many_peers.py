@@ -108,6 +108,10 @@ class ManyPeerFetch:
         self._min_agreeing = min_agreeing
         self._shared, self._node = shared_layout(template), node_layout(template)
 
+    def worth_trying(self, peers: Sequence[Announcement], outer_step: int) -> bool:
+        """Whether enough peers announced `outer_step` that they could agree on its shared part."""
+        return sum(p.outer_step == outer_step for p in peers) >= self._min_agreeing
+
     async def fetch(self, peers: Sequence[Announcement], outer_step: int) -> RangedState:
         """The state at `outer_step` from the peers that announced it; ManyPeersUnavailable else."""
         started = time.perf_counter()

@@ -104,10 +104,15 @@ class RangeFetcher:
 
     async def run(self) -> FetchReport:
         """Fetches every job; raises RangeFetchFailed when one cannot be served by anyone left."""
-        async with asyncio.TaskGroup() as group:
-            for peer in self._peers:
-                for _ in range(self._streams):
-                    group.create_task(self._worker(peer))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for peer in self._peers:
+                    for _ in range(self._streams):
+                        group.create_task(self._worker(peer))
+        finally:  # a cancelled or failed fetch leaves no range request behind
+            for copies in self._in_flight.values():
+                for task in copies.values():
+                    task.cancel()
         if self._stuck is not None:
             job = self._stuck
             raise RangeFetchFailed(

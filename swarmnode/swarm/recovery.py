@@ -205,8 +205,8 @@ class Recovery:
         self, peers: list[Announcement], outer_step: int, choose: CursorRule, failed: list[str]
     ) -> Receipt | None:
         """The state at `outer_step` from many peers at once; None (counted, noted) on any failure."""
-        if self.many is None:
-            return None
+        if self.many is None or not self.many.worth_trying(peers, outer_step):
+            return None  # (one peer at that step: nothing to agree on, nothing to count)
         started = time.perf_counter()
         try:
             state = await self.many.fetch(peers, outer_step)
