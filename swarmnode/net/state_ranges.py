@@ -25,7 +25,7 @@ from swarmnode.net import rpc
 from swarmnode.net.snapshot_server import peer_key
 from swarmnode.proto.v1 import ranges_pb2 as pb
 from swarmnode.proto.v1 import ranges_pb2_grpc as pb_grpc
-from swarmnode.snapshot.ranges import RangeError, RangeList
+from swarmnode.snapshot.ranges import EncodedRange, RangeError, RangeList
 from swarmnode.util.labels import FetchFailure
 from swarmnode.util.validate import is_sha256_hex
 
@@ -86,14 +86,14 @@ class RangeProvider(Protocol):
         """The manifest at `outer_step` (None: no snapshot at that step is served here)."""
         ...
 
-    def range(self, root: str, index: int) -> bytes | None:
-        """Range `index` of the blob named `root` (None: not held now); RangeError for a bad index.
-        Called on the event loop: must only slice bytes in memory."""
+    def range(self, root: str, index: int) -> EncodedRange | None:
+        """Range `index` of the blob named `root` as it goes on the wire (None: not held now);
+        RangeError for a bad index. Called on the event loop: must only look up bytes in memory."""
         ...
 
 
-RangeFilter = Callable[[int, bytes], Awaitable[bytes]]
-"""Test-only: maps each served range's (index, bytes) to what is sent instead (a lying peer)."""
+RangeFilter = Callable[[int, EncodedRange], Awaitable[EncodedRange]]
+"""Test-only: maps each served range's (index, (encoding, bytes)) to what is sent instead (a liar)."""
 
 
 class StateRangeServicer:
@@ -129,7 +129,7 @@ class StateRangeServicer:
         self._in_flight += 1
         self._per_host[host] += 1
         try:
-            data = await self._range(request, context)
+            encoding, data = await self._range(request, context)
         finally:
             self._in_flight -= 1
             self._per_host[host] -= 1
@@ -137,9 +137,9 @@ class StateRangeServicer:
                 del self._per_host[host]
         if self._on_served is not None:
             self._on_served(len(data))
-        return pb.FetchRangeReply(data=data)
+        return pb.FetchRangeReply(data=data, encoding=encoding)
 
-    async def _range(self, request: pb.FetchRangeRequest, context: Any) -> bytes:
+    async def _range(self, request: pb.FetchRangeRequest, context: Any) -> EncodedRange:
         try:
             data = self._provider.range(request.root, request.index)
         except RangeError as exc:
@@ -169,15 +169,16 @@ async def get_range_manifest(
 
 async def fetch_range(
     address: str, root: str, index: int, timeout_s: float, channels: rpc.ChannelCache | None = None
-) -> bytes:
-    """Range `index` of blob `root` from a peer, unverified. Raises PeerUnavailable."""
+) -> EncodedRange:
+    """Range `index` of blob `root` from a peer as (encoding, bytes), undecoded and unverified
+    (`ranges.decode_range`, `RangeList.check`). Raises PeerUnavailable."""
     request = pb.FetchRangeRequest(root=root, index=index)
     async with rpc.peer_channel(address, channels) as channel:
         try:
             reply = await pb_grpc.StateRangeServiceStub(channel).FetchRange(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc.PeerUnavailable(_reason(exc), f"{address}: {exc.details()}") from None
-    return bytes(reply.data)
+    return reply.encoding, reply.data
 
 
 def _reason(exc: grpc.aio.AioRpcError) -> FetchFailure:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
 from prometheus_client import start_http_server
 
 from swarmnode.core.training import TrainingRun, TrainingSample
@@ -33,6 +34,7 @@ from swarmnode.net.state_ranges import RangeFilter, StateRangeServicer
 from swarmnode.node.config import NodeConfig
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.snapshot.checkpointer import SpeculativeCheckpointer
+from swarmnode.snapshot.ranges import RAW, EncodedRange, decode_range
 from swarmnode.swarm.allreduce import fetch_group, propose_group
 from swarmnode.swarm.matchmaking import Matchmaker
 from swarmnode.swarm.range_source import SnapshotRanges
@@ -289,12 +291,15 @@ def range_faults() -> RangeFilter | None:
     if not faults.armed("serve_range"):
         return None
 
-    async def corrupt(index: int, data: bytes) -> bytes:
+    async def corrupt(index: int, sent: EncodedRange) -> EncodedRange:
         fault = await faults.ahit("serve_range")
+        encoding, data = sent
         if fault is None or fault.action != "corrupt" or not data:
-            return data
+            return sent
+        size = zstandard.frame_content_size(data) if encoding else len(data)
+        raw = decode_range(encoding, data, size)
         logger.warning("fault: state range %d served corrupted", index)
-        return bytes([data[0] ^ 0xFF]) + data[1:]
+        return RAW, bytes([raw[0] ^ 0xFF]) + raw[1:]
 
     return corrupt
 

@@ -13,6 +13,12 @@ concatenated piece hashes. A reader never takes a root from the wire: it recompu
 list, so a peer that lies about one hash changes the root and no longer agrees with honest peers. The
 bounds below are checked before anything is allocated. This module is torch-free but for the layout,
 which reads only names, dtypes and shapes of a template.
+
+On the wire a range travels as its raw bytes or, where that is smaller, as one zstd-1 frame of its four
+byte planes (`ZSTD_PLANES`: the snapshot's own "planes" trick applied to fp32 ranges: only the
+sign/exponent plane compresses, measured 3-5x, so θ_g, the momentum and the moments shrink ~1.2x). The
+hashes are over the raw bytes, so the encoding is transport only; decoding is bounded by the range's
+size before the hash is checked.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+
+import numpy as np
+import zstandard
 
 from swarmnode.snapshot.tensors import TensorTemplate
 
@@ -33,6 +42,14 @@ MAX_RANGE_BYTES = 4 << 20
 """What a reader accepts from a peer's manifest: above it a range would not fit one gRPC message."""
 MAX_RANGES = 1 << 16
 """Hash lists of at most 2 MiB; with 4 MiB ranges that is 256 GiB of state."""
+
+RAW = ""
+ZSTD_PLANES = "zstd-planes4"
+ENCODINGS = (RAW, ZSTD_PLANES)
+EncodedRange = tuple[str, bytes]
+"""(encoding, bytes) of one range on the wire."""
+PLANES = 4
+"""Every tensor of both blobs is fp32 (the model's parameters, their moments, θ_g, the momentum)."""
 
 SHARED_PREFIXES = ("global/", "outer_momentum/")
 NODE_PREFIXES = ("inner/",)
@@ -148,3 +165,33 @@ def shared_layout(template: TensorTemplate) -> BlobLayout:
 def node_layout(template: TensorTemplate) -> BlobLayout:
     """The inner optimizer's moments: one node's own, fetched from one peer."""
     return blob_layout(template, NODE_PREFIXES)
+
+
+def encode_range(data: bytes) -> EncodedRange:
+    """(encoding, bytes) of one range for the wire: its byte planes in one zstd-1 frame when that is
+    smaller, else the raw bytes (~0.7 GB/s: call it off the event loop)."""
+    if len(data) % PLANES:
+        return RAW, data
+    planes = np.frombuffer(data, dtype=np.uint8).reshape(-1, PLANES).T.copy()
+    packed = zstandard.ZstdCompressor(level=1).compress(planes.data)
+    return (ZSTD_PLANES, packed) if len(packed) < len(data) else (RAW, data)
+
+
+def decode_range(encoding: str, data: bytes, size: int) -> bytes:
+    """The raw bytes of a range of `size` bytes sent as `encoding`; RangeError when it does not decode
+    to exactly `size` bytes (never more is allocated)."""
+    if encoding == RAW:
+        return data
+    if encoding != ZSTD_PLANES or size % PLANES:
+        raise RangeError(f"unknown range encoding {encoding!r} for {size} bytes")
+    try:
+        # A frame that declares its size is decoded to that size whatever the bound: check it first.
+        if zstandard.frame_content_size(data) not in (size, -1):
+            raise RangeError(f"a range frame that declares {zstandard.frame_content_size(data)} bytes")
+        flat = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise RangeError(f"a range that does not decode: {exc}") from None
+    if len(flat) != size:
+        raise RangeError(f"a range that decodes to {len(flat)} bytes, expected {size}")
+    planes = np.frombuffer(flat, dtype=np.uint8).reshape(PLANES, -1)
+    return planes.T.tobytes()

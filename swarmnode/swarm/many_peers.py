@@ -32,7 +32,7 @@ from swarmnode.net import rpc, state_ranges
 from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.format import SnapshotError, SnapshotHeader
 from swarmnode.snapshot.metadata import SnapshotMetadata
-from swarmnode.snapshot.ranges import BlobLayout, node_layout, shared_layout
+from swarmnode.snapshot.ranges import BlobLayout, EncodedRange, node_layout, shared_layout
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
 from swarmnode.swarm.announcements import Announcement
 from swarmnode.swarm.range_fetch import FetchReport, RangeFetcher, RangeJob
@@ -86,7 +86,7 @@ class GrpcRangePeer:
     def __init__(self, address: str, channels: rpc.ChannelCache | None) -> None:
         self.name, self._channels = address, channels
 
-    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes:
+    async def fetch(self, root: str, index: int, timeout_s: float) -> EncodedRange:
         return await state_ranges.fetch_range(self.name, root, index, timeout_s, self._channels)
 
 

@@ -8,9 +8,10 @@ cancelled). A range that arrives is checked (size, sha256) before it is delivere
 
 Failure semantics: a range that fails goes back to the queue, never to the peer that failed it unless
 it is pinned there. A peer that sends a range of the wrong size or hash is lying and is dropped at once;
-one that times out or is refused is dropped after `max_failures`. Every failure is counted by reason
-(`on_failure`). The fetch fails (`RangeFetchFailed`) only when a range has no peer left that could
-serve it; nothing is delivered twice.
+one that times out or is refused is dropped after `max_failures`. Ranges may travel compressed
+(snapshot/ranges.py `decode_range`, bounded by the range's size): one that does not decode is a lie
+too. Every failure is counted by reason (`on_failure`). The fetch fails (`RangeFetchFailed`) only when
+a range has no peer left that could serve it; nothing is delivered twice.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from swarmnode.snapshot.ranges import RangeError, RangeList
+from swarmnode.snapshot.ranges import EncodedRange, RangeError, RangeList, decode_range
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import FetchFailure
 
@@ -38,11 +39,12 @@ MIN_RATE_BYTES_S = 256 << 10
 
 
 class RangePeer(Protocol):
-    """Where ranges come from: `fetch` raises a PeerFault (with a reason) for what the peer did."""
+    """Where ranges come from: `fetch` returns a range as sent (encoding, bytes) and raises a PeerFault
+    (with a reason) for what the peer did."""
 
     name: str
 
-    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes: ...
+    async def fetch(self, root: str, index: int, timeout_s: float) -> EncodedRange: ...
 
 
 class RangeFetchFailed(PeerFault):
@@ -70,6 +72,13 @@ class FetchReport:
     duplicates: int = 0
     """End-game copies fetched of a range another peer still had in flight."""
     dropped: list[str] = field(default_factory=list)
+
+
+def _decoded_and_checked(job: RangeJob, encoding: str, sent: bytes) -> bytes:
+    start, stop = job.ranges.span(job.index)
+    data = decode_range(encoding, sent, stop - start)
+    job.ranges.check(job.index, data)
+    return data
 
 
 def range_timeout_s(nbytes: int) -> float:
@@ -185,13 +194,13 @@ class RangeFetcher:
     async def _fetch_checked(self, peer: RangePeer, job: RangeJob, timeout_s: float) -> bytes:
         try:
             async with asyncio.timeout(timeout_s):
-                data = await peer.fetch(job.ranges.root, job.index, timeout_s)
+                encoding, sent = await peer.fetch(job.ranges.root, job.index, timeout_s)
         except TimeoutError:
             raise PeerFault(FetchFailure.TIMEOUT, f"no range within {timeout_s:.0f} s") from None
         try:
-            await asyncio.to_thread(job.ranges.check, job.index, data)
+            data = await asyncio.to_thread(_decoded_and_checked, job, encoding, sent)
         except RangeError as exc:
-            reason = FetchFailure.HASH_MISMATCH if "hash" in str(exc) else FetchFailure.TRUNCATED
+            reason = FetchFailure.HASH_MISMATCH if "hash" in str(exc) else FetchFailure.INVALID
             raise PeerFault(reason, str(exc)) from None
         return data
 
@@ -232,7 +241,7 @@ class RangeFetcher:
         logger.warning("range %d from %s refused: %s", job.index, peer, exc)
         if job.pinned is None:
             self._refused_by.setdefault(job.key, set()).add(peer)
-        lied = exc.reason in (FetchFailure.HASH_MISMATCH, FetchFailure.TRUNCATED)
+        lied = exc.reason in (FetchFailure.HASH_MISMATCH, FetchFailure.INVALID)
         self._failures[peer] += 1
         if lied or self._failures[peer] >= self._max_failures:
             self._drop(peer, reason)

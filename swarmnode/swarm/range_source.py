@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.format import SnapshotError, SnapshotInfo
-from swarmnode.snapshot.ranges import DEFAULT_RANGE_BYTES, BlobLayout, RangeList, node_layout, shared_layout
+from swarmnode.snapshot.ranges import (
+    DEFAULT_RANGE_BYTES,
+    BlobLayout,
+    EncodedRange,
+    RangeError,
+    RangeList,
+    encode_range,
+    node_layout,
+    shared_layout,
+)
 from swarmnode.snapshot.read import read_snapshot
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate, tensor_bytes
 
@@ -32,34 +41,45 @@ HOLD_IDLE_S = 120.0
 
 @dataclass(frozen=True)
 class HeldRanges:
-    """One snapshot's blobs and manifest; immutable, so the event loop may slice them."""
+    """One snapshot's ranges, as they go on the wire, and its manifest; immutable, so the event loop
+    may hand them out."""
 
     manifest: RangeManifest
-    blobs: dict[str, bytes]  # by root
+    encoded: dict[str, tuple[EncodedRange, ...]]  # by root
 
-    def range(self, root: str, index: int) -> bytes | None:
-        data = self.blobs.get(root)
-        if data is None:
+    def range(self, root: str, index: int) -> EncodedRange | None:
+        ranges = self.encoded.get(root)
+        if ranges is None:
             return None
-        ranges = self.manifest.shared if root == self.manifest.shared.root else self.manifest.node
-        start, stop = ranges.span(index)
-        return data[start:stop]
+        if not 0 <= index < len(ranges):
+            raise RangeError(f"range {index} of {len(ranges)}")
+        return ranges[index]
 
 
 def join_blob(loaded: LoadedSnapshot, layout: BlobLayout) -> bytes:
     return b"".join(tensor_bytes(loaded.tensors[name]).data for name, _ in layout.tensors)
 
 
+def encode_blob(blob: bytes, ranges: RangeList) -> tuple[EncodedRange, ...]:
+    view = memoryview(blob)
+    return tuple(encode_range(bytes(view[slice(*ranges.span(i))])) for i in range(len(ranges)))
+
+
 def read_ranges(info: SnapshotInfo, template: TensorTemplate, range_bytes: int) -> HeldRanges:
-    """Reads and verifies a snapshot file and cuts its blobs into ranges (on a worker thread)."""
+    """Reads and verifies a snapshot file, cuts its blobs into ranges and encodes them for the wire
+    (on a worker thread); only the encoded ranges are kept."""
     loaded = read_snapshot(info.path, expected_id=info.snapshot_id, template=template)
     shared = join_blob(loaded, shared_layout(template))
     node = join_blob(loaded, node_layout(template))
+    metadata = json.dumps(loaded.metadata)
+    del loaded
     shared_ranges, node_ranges = RangeList.of(shared, range_bytes), RangeList.of(node, range_bytes)
-    manifest = RangeManifest(
-        info.outer_step, info.snapshot_id, shared_ranges, node_ranges, json.dumps(loaded.metadata)
-    )
-    return HeldRanges(manifest, {shared_ranges.root: shared, node_ranges.root: node})
+    manifest = RangeManifest(info.outer_step, info.snapshot_id, shared_ranges, node_ranges, metadata)
+    encoded = {
+        shared_ranges.root: encode_blob(shared, shared_ranges),
+        node_ranges.root: encode_blob(node, node_ranges),
+    }
+    return HeldRanges(manifest, encoded)
 
 
 class SnapshotRanges:
@@ -111,7 +131,7 @@ class SnapshotRanges:
         )
         return held
 
-    def range(self, root: str, index: int) -> bytes | None:
+    def range(self, root: str, index: int) -> EncodedRange | None:
         held = self._held
         if held is None:
             return None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_swarm_recovery import announcements
+
 from swarmnode.swarm.recovery import read_receipts
 from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
-from test_swarm_recovery import announcements
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")
 HOLD = "sleep@inner_step#45=90"

@@ -12,8 +12,11 @@ import torch
 from swarmnode.snapshot.ranges import (
     MAX_RANGE_BYTES,
     MIN_RANGE_BYTES,
+    RAW,
     RangeError,
     RangeList,
+    decode_range,
+    encode_range,
     node_layout,
     shared_layout,
 )
@@ -95,16 +98,19 @@ class FakePeer:
         self.corrupt = bool(how.get("corrupt"))
         self.delay_s = float(how.get("delay_s", 0.0))  # type: ignore[arg-type]
         self.dead = bool(how.get("dead"))
+        self.compress = bool(how.get("compress"))
         self.asked = 0
 
-    async def fetch(self, root: str, index: int, timeout_s: float) -> bytes:
+    async def fetch(self, root: str, index: int, timeout_s: float) -> tuple[str, bytes]:
         self.asked += 1
         if self.dead:
             raise PeerFault(FetchFailure.UNREACHABLE, f"{self.name} is down")
         await asyncio.sleep(self.delay_s)
         start, stop = self.ranges[root].span(index)
         data = self.blobs[root][start:stop]
-        return bytes([data[0] ^ 0xFF]) + data[1:] if self.corrupt else data
+        if self.corrupt:
+            return RAW, bytes([data[0] ^ 0xFF]) + data[1:]
+        return encode_range(data) if self.compress else (RAW, data)
 
 
 def blob(n_ranges: int) -> tuple[bytes, RangeList]:
@@ -129,7 +135,7 @@ def test_ranges_come_from_the_honest_peers_when_one_lies_one_is_slow_and_one_is_
     blobs = {shared_ranges.root: shared, node_ranges.root: node}
     lists = {shared_ranges.root: shared_ranges, node_ranges.root: node_ranges}
     honest = FakePeer("honest", blobs, lists)
-    other = FakePeer("other", blobs, lists)
+    other = FakePeer("other", blobs, lists, compress=True)
     liar = FakePeer("liar", blobs, lists, corrupt=True)
     slow = FakePeer("slow", blobs, lists, delay_s=3.0)
     dead = FakePeer("dead", blobs, lists, dead=True)
@@ -153,7 +159,7 @@ def test_the_work_of_a_peer_that_dies_is_reassigned() -> None:
     blobs, lists = {ranges.root: shared}, {ranges.root: ranges}
     a, b = FakePeer("a", blobs, lists), FakePeer("b", blobs, lists)
 
-    async def dies_after_two(root: str, index: int, timeout_s: float) -> bytes:
+    async def dies_after_two(root: str, index: int, timeout_s: float) -> tuple[str, bytes]:
         a.asked += 1
         if a.asked > 2:
             raise PeerFault(FetchFailure.UNREACHABLE, "gone")
@@ -181,3 +187,18 @@ def test_only_liars_fail_the_fetch() -> None:
     liars = [FakePeer(f"liar{i}", blobs, lists, corrupt=True) for i in range(3)]
     with pytest.raises(RangeFetchFailed):
         fetch_all(liars, [RangeJob(ranges, i) for i in range(4)])  # type: ignore[arg-type]
+
+
+def test_a_range_travels_as_compressed_byte_planes_and_decodes_only_to_its_size() -> None:
+    values = torch.randn(RANGE // 4) * 0.02
+    data = values.numpy().tobytes()
+    encoding, sent = encode_range(data)
+    assert encoding != RAW and len(sent) < len(data)
+    assert decode_range(encoding, sent, len(data)) == data
+    with pytest.raises(RangeError):
+        decode_range(encoding, sent, len(data) - 4)  # its frame declares another size
+    with pytest.raises(RangeError):
+        decode_range(encoding, b"not zstd", len(data))
+    with pytest.raises(RangeError):
+        decode_range("gzip", sent, len(data))
+    assert encode_range(os.urandom(RANGE))[0] == RAW  # noise: sent as it is

@@ -44,7 +44,9 @@ class FetchRangeRequest(_message.Message):
     def __init__(self, root: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class FetchRangeReply(_message.Message):
-    __slots__ = ("data",)
+    __slots__ = ("data", "encoding")
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    encoding: str
+    def __init__(self, data: _Optional[bytes] = ..., encoding: _Optional[str] = ...) -> None: ...
