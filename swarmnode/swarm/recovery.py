@@ -74,7 +74,7 @@ class Receipt:
     first_loss_after: float | None = None
     failed_candidates: list[str] = field(default_factory=list)
     peers: list[str] = field(default_factory=list)
-    """Recovery from many peers: every peer that served ranges (the first also the node part)."""
+    """Recovery from many peers: the agreeing peers asked for ranges (the node part's first)."""
     ranges_per_peer: dict[str, int] = field(default_factory=dict)
     range_failures: dict[str, int] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)

@@ -12,6 +12,7 @@ import pytest
 from swarmnode.bench.runner import trained_run
 from swarmnode.net.rpc import PeerUnavailable
 from swarmnode.swarm.announcements import Announcement
+from swarmnode.swarm.many_peers import ManyPeersUnavailable
 from swarmnode.swarm.recovery import Recovery
 from swarmnode.util.threads import TrainingThread
 
@@ -55,3 +56,40 @@ def test_a_bug_while_recovering_is_internal_with_its_traceback(caplog: pytest.Lo
     tracebacks = [r for r in caplog.records if r.exc_info and "failed unexpectedly" in r.getMessage()]
     assert len(tracebacks) == 2 and isinstance(tracebacks[0].exc_info[1], TypeError)  # type: ignore[index]
     assert receipt.source == "fresh"
+
+
+class FailingManyPeerFetch:
+    """A `ManyPeerFetch` whose peers never agree on a root."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def worth_trying(self, peers: list[Announcement], outer_step: int) -> bool:
+        return sum(p.outer_step == outer_step for p in peers) >= 2
+
+    async def fetch(self, peers: list[Announcement], outer_step: int) -> object:
+        self.asked.append(outer_step)
+        raise ManyPeersUnavailable("refused", "no shared root that 2 peers agree on")
+
+
+def test_a_failed_recovery_from_many_peers_falls_back_to_one_peer_at_a_time() -> None:
+    tried: list[str] = []
+
+    async def fetch(peer: Announcement, on_data: Callable[[bytes], Awaitable[None]]) -> str:
+        tried.append(peer.node_id)
+        raise PeerUnavailable("unreachable", "nobody home")
+
+    many = FailingManyPeerFetch()
+    run = trained_run("tiny", 0, 64, 2)
+    training = TrainingThread()
+    reasons: list[str] = []
+    try:
+        recovery = Recovery(run, training, fetch, reasons.append, many=many)  # type: ignore[arg-type]
+        peers = [announcement("0a", 3), announcement("0b", 3), announcement("0c", 2)]
+        receipt = asyncio.run(recovery.recover(peers, None, [], 0.0))
+    finally:
+        training.close()
+    assert many.asked == [3]  # once per outer step; step 2 has one peer: nothing to agree on
+    assert tried == ["0a" * 20, "0b" * 20, "0c" * 20]  # then each candidate whole, as with K = 1
+    assert reasons == ["refused", "unreachable", "unreachable", "unreachable"]
+    assert receipt.failed_candidates[0].startswith("many peers at outer step 3: refused")
