@@ -69,7 +69,9 @@ def bench_recovery(
     """`steps`: inner steps between the nodes' hot snapshots. `peers` (or `mbit`): instead, one peer
     against `peers` (default 3) on a bed capped at `mbit` (default 50) Mbit/s (`recovery_peers.py`)."""
     if peers is not None or mbit is not None:
-        return bench_recovery_peers(preset_name, peers or 3, mbit or 50.0)
+        return bench_recovery_peers(
+            preset_name, 3 if peers is None else peers, 50.0 if mbit is None else mbit
+        )
     for noisy in ("rpcudp", "kademlia"):  # this process's DHT client: a killed peer's timeouts are expected
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     result = BenchResult("recovery", preset_name)

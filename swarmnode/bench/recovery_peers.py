@@ -64,7 +64,8 @@ def bench_recovery_peers(preset_name: str, peers: int, mbit: float) -> BenchResu
     for r in (one, many):
         receipt = r.receipt
         tag = f"from {r.peers} peer{'s' if r.peers > 1 else ''}:"
-        result.add(f"{tag} recovery (restart receipt)", r.seconds, "s", f"{receipt['bytes'] / 1e6:.1f} MB")
+        wire = f"{receipt['bytes'] / 1e6:.1f} MB on the wire"
+        result.add(f"{tag} recovery (restart receipt)", r.seconds, "s", wire)
         for stage, seconds in sorted(receipt["stages_s"].items()):
             result.add(f"  {tag} stage {stage}", seconds, "s")
         if receipt.get("ranges_per_peer"):

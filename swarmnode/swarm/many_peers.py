@@ -77,6 +77,7 @@ class _Assembly:
         self.report.ranges_per_peer.update(report.ranges_per_peer)
         self.report.failures.update(report.failures)
         self.report.duplicates += report.duplicates
+        self.report.wire_bytes += report.wire_bytes
         self.dropped.update(report.dropped)
 
 
@@ -126,7 +127,7 @@ class ManyPeerFetch:
         assembly, node_peer, manifest, meta = await self._fetch_blobs(sources, outer_step)
         fetched = time.perf_counter()
         await asyncio.to_thread(self._check_global_digest, assembly.shared, meta)
-        loaded = self._loaded(manifest, meta, assembly.shared, assembly.node)
+        loaded = self._loaded(manifest, meta, assembly.shared, assembly.node, assembly.report.wire_bytes)
         report = assembly.report
         return RangedState(
             loaded,
@@ -263,7 +264,12 @@ class ManyPeerFetch:
             )
 
     def _loaded(
-        self, manifest: RangeManifest, meta: SnapshotMetadata, shared: bytearray, node: bytearray
+        self,
+        manifest: RangeManifest,
+        meta: SnapshotMetadata,
+        shared: bytearray,
+        node: bytearray,
+        wire_bytes: int,
     ) -> LoadedSnapshot:
         tensors = {**self._views(shared, self._shared), **self._views(node, self._node)}
         for name, (dtype, shape) in self._template.items():
@@ -272,8 +278,7 @@ class ManyPeerFetch:
             elif name.startswith("rng/"):  # never fetched: the RNG stays this node's own
                 tensors[name] = torch.zeros(shape, dtype=dtype)
         header = SnapshotHeader(json.loads(manifest.metadata_json), meta.layout, ())
-        total = manifest.shared.total_bytes + manifest.node.total_bytes
-        return LoadedSnapshot(manifest.snapshot_id, header, tensors, total)
+        return LoadedSnapshot(manifest.snapshot_id, header, tensors, wire_bytes)
 
     def _views(self, blob: bytearray, layout: BlobLayout) -> dict[str, torch.Tensor]:
         views = {}

@@ -71,7 +71,13 @@ class FetchReport:
     """By reason (labels.FetchFailure)."""
     duplicates: int = 0
     """End-game copies fetched of a range another peer still had in flight."""
+    wire_bytes: int = 0
+    """Bytes of the delivered ranges as they travelled (compressed where smaller)."""
     dropped: list[str] = field(default_factory=list)
+
+
+_Arrived = tuple[bytes, int]
+"""A verified range's raw bytes, and how many bytes it travelled as."""
 
 
 def _decoded_and_checked(job: RangeJob, encoding: str, sent: bytes) -> bytes:
@@ -101,7 +107,7 @@ class RangeFetcher:
         self._peers, self._deliver, self._streams = list(peers), deliver, streams_per_peer
         self._max_failures, self._on_failure = max_failures, on_failure
         self._pending: deque[RangeJob] = deque(jobs)
-        self._in_flight: dict[tuple[str, int], dict[str, asyncio.Task[bytes]]] = {}
+        self._in_flight: dict[tuple[str, int], dict[str, asyncio.Task[_Arrived]]] = {}
         self._jobs = {job.key: job for job in jobs}
         self._done: set[tuple[str, int]] = set()
         self._refused_by: dict[tuple[str, int], set[str]] = {}
@@ -180,7 +186,7 @@ class RangeFetcher:
                 self._record(peer.name, job, task)
                 self._changed.notify_all()
 
-    def _take(self, peer: RangePeer, job: RangeJob) -> asyncio.Task[bytes]:
+    def _take(self, peer: RangePeer, job: RangeJob) -> asyncio.Task[_Arrived]:
         with contextlib.suppress(ValueError):
             self._pending.remove(job)
         copies = self._in_flight.setdefault(job.key, {})
@@ -191,7 +197,7 @@ class RangeFetcher:
         copies[peer.name] = task
         return task
 
-    async def _fetch_checked(self, peer: RangePeer, job: RangeJob, timeout_s: float) -> bytes:
+    async def _fetch_checked(self, peer: RangePeer, job: RangeJob, timeout_s: float) -> _Arrived:
         try:
             async with asyncio.timeout(timeout_s):
                 encoding, sent = await peer.fetch(job.ranges.root, job.index, timeout_s)
@@ -202,9 +208,9 @@ class RangeFetcher:
         except RangeError as exc:
             reason = FetchFailure.HASH_MISMATCH if "hash" in str(exc) else FetchFailure.INVALID
             raise PeerFault(reason, str(exc)) from None
-        return data
+        return data, len(sent)
 
-    def _record(self, peer: str, job: RangeJob, task: asyncio.Task[bytes]) -> None:
+    def _record(self, peer: str, job: RangeJob, task: asyncio.Task[_Arrived]) -> None:
         copies = self._in_flight.get(job.key, {})
         copies.pop(peer, None)
         if not copies:
@@ -212,7 +218,7 @@ class RangeFetcher:
         if task.cancelled():  # another copy won, or the fetch is over
             pass
         elif task.exception() is None:
-            self._won(peer, job, task.result(), copies)
+            self._won(peer, job, *task.result(), copies)
         else:
             self._failed(peer, job, task.exception())
         if not self._over():
@@ -222,12 +228,15 @@ class RangeFetcher:
                 for other in others.values():
                     other.cancel()
 
-    def _won(self, peer: str, job: RangeJob, data: bytes, copies: dict[str, asyncio.Task[bytes]]) -> None:
+    def _won(
+        self, peer: str, job: RangeJob, data: bytes, sent: int, copies: dict[str, asyncio.Task[_Arrived]]
+    ) -> None:
         if job.key in self._done:
             return
         self._done.add(job.key)
         self._deliver(job, data)
         self.report.ranges_per_peer[peer] += 1
+        self.report.wire_bytes += sent
         for other in copies.values():
             other.cancel()
 
