@@ -14,6 +14,8 @@ ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-i
 HOLD = "sleep@inner_step#45=90"
 """Every member's training thread pauses in round 2 (its event loop serves on), so the swarm holds one
 agreed state at outer step 2 while the joiner recovers."""
+TOGETHER = ("--wait-peers", "2", "--matchmaking-timeout", "30")
+"""On a loaded machine the three start seconds apart: each waits for the others before its first round."""
 
 
 def test_recovers_from_three_peers_when_one_serves_corrupt_ranges(tmp_path: Path, reaper) -> None:
@@ -21,7 +23,7 @@ def test_recovers_from_three_peers_when_one_serves_corrupt_ranges(tmp_path: Path
         reaper,
         tmp_path,
         3,
-        [*ARGS, "--wait-peers", "2"],
+        [*ARGS, *TOGETHER],
         faults=[HOLD, HOLD, f"{HOLD},corrupt@serve_range"],
     )
     liar = nodes[2]
