@@ -1,13 +1,15 @@
-"""What a node serves as state ranges: its newest snapshot at an asked outer step, read into two
-immutable blobs (snapshot/ranges.py: the shared part and this node's node part) with their range lists.
+"""What a node serves as state ranges: its newest snapshot at an asked outer step, cut into the ranges
+of two blobs (snapshot/ranges.py: the shared part and this node's node part), each range kept as it
+goes on the wire (compressed where smaller), with their range lists.
 
-The blobs are built only when a peer asks (recoveries are rare; a node that nobody asks holds nothing
+The ranges are built only when a peer asks (recoveries are rare; a node that nobody asks holds nothing
 extra) on a worker thread that reads and verifies the snapshot file, never the live training state, so
 the training thread and the event loop are untouched (README "Who owns what"). One entry is held at a
-time — about 0.8× the training state for `small` (θ_g, outer momentum and the inner moments) — and let
-go `HOLD_IDLE_S` after its last use. Concurrent first asks share one read. A snapshot that no longer
-reads (rotated out mid-read, or corrupt) is answered as "no snapshot at that step".
-"""
+time — about 0.65× the training state for `small` (θ_g, outer momentum and the inner moments, encoded)
+— and let go `HOLD_IDLE_S` after its last use. Concurrent first asks share one read. A snapshot that no
+longer reads (rotated out mid-read, or corrupt) is answered as "no snapshot at that step". Every
+snapshot of one outer step holds the same θ_g and momentum (they change only at outer steps), so a
+newer snapshot of that step replaces the node part's root but keeps serving the same shared root."""
 
 from __future__ import annotations
 
