@@ -1,7 +1,7 @@
 """`StateRangeService` (ranges.proto): a node's state as verifiable byte ranges, served and fetched.
 
 The server answers from a `RangeProvider` (the node's, in swarm/range_source.py, reads its newest
-snapshot at the asked outer step); it runs on the event loop and only slices immutable bytes there. It
+snapshot at the asked outer step); it runs on the event loop and hands out immutable bytes there. It
 bounds the ranges in flight (`MAX_RANGES_IN_FLIGHT` over all callers, `MAX_RANGES_PER_HOST` per caller
 host or certificate node id) and answers RESOURCE_EXHAUSTED beyond; the server's guard (swarm token,
 mutual TLS) covers these calls as it covers FetchSnapshot.
@@ -86,9 +86,9 @@ class RangeProvider(Protocol):
         """The manifest at `outer_step` (None: no snapshot at that step is served here)."""
         ...
 
-    def range(self, root: str, index: int) -> EncodedRange | None:
+    async def range(self, root: str, index: int) -> EncodedRange | None:
         """Range `index` of the blob named `root` as it goes on the wire (None: not held now);
-        RangeError for a bad index. Called on the event loop: must only look up bytes in memory."""
+        RangeError for a bad index. Called on the event loop: any real work goes to a worker thread."""
         ...
 
 
@@ -141,7 +141,7 @@ class StateRangeServicer:
 
     async def _range(self, request: pb.FetchRangeRequest, context: Any) -> EncodedRange:
         try:
-            data = self._provider.range(request.root, request.index)
+            data = await self._provider.range(request.root, request.index)
         except RangeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if data is None:
