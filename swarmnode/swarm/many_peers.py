@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 MANIFEST_TIMEOUT_S = 30.0
 """A peer may need a second or two to read its snapshot into ranges before it answers."""
 MIN_AGREEING = 2
+AGREEMENT_GRACE_S = 3.0
+"""Once two peers agree on a root, how much longer the other manifests are waited for."""
 
 
 class ManyPeersUnavailable(PeerFault):
@@ -143,8 +145,8 @@ class ManyPeerFetch:
     ) -> list[tuple[Announcement, RangeManifest]]:
         """The peers (freshest first) whose shared range list is the one most of them hand in, if at
         least `min_agreeing` do and it fits this node's model."""
-        answers = await asyncio.gather(*(self._manifest(p, outer_step) for p in peers))
-        usable = [(p, m) for p, m in zip(peers, answers, strict=True) if m is not None]
+        answers = await self._manifests(peers, outer_step)
+        usable = [(p, m) for p in peers if (m := answers.get(p.node_id)) is not None]
         votes = Counter(m.shared.root for _, m in usable)
         if not votes or votes.most_common(1)[0][1] < self._min_agreeing:
             raise ManyPeersUnavailable(
@@ -154,6 +156,34 @@ class ManyPeerFetch:
             )
         root = votes.most_common(1)[0][0]
         return [(p, m) for p, m in usable if m.shared.root == root]
+
+    async def _manifests(
+        self, peers: Sequence[Announcement], outer_step: int
+    ) -> dict[str, RangeManifest | None]:
+        """The peers' manifests by node id, asked at once. A dead or silent peer must not hold the
+        recovery up: once K agree the rest are not awaited, and once two agree the others get
+        `AGREEMENT_GRACE_S` more."""
+        tasks = {asyncio.create_task(self._manifest(p, outer_step)): p.node_id for p in peers}
+        answers: dict[str, RangeManifest | None] = {}
+        deadline: float | None = None
+        try:
+            pending = set(tasks)
+            while pending:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, pending = await asyncio.wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+                if not done:
+                    break
+                answers.update((tasks[t], t.result()) for t in done)
+                votes = Counter(m.shared.root for m in answers.values() if m is not None)
+                best = votes.most_common(1)[0][1] if votes else 0
+                if best >= self._max_peers:
+                    break
+                if best >= self._min_agreeing and deadline is None:
+                    deadline = time.monotonic() + AGREEMENT_GRACE_S
+        finally:
+            for task in tasks:
+                task.cancel()
+        return answers
 
     async def _manifest(self, peer: Announcement, outer_step: int) -> RangeManifest | None:
         try:

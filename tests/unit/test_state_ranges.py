@@ -1,4 +1,5 @@
-"""Range lists (hash list, root, bounds) and the many-peer range fetcher, with fake peers."""
+"""Range lists (hash list, root, bounds), the many-peer range fetcher with fake peers, and how a
+recovering node agrees on a root from its peers' manifests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pytest
 import torch
 
+from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.ranges import (
     MAX_RANGE_BYTES,
     MIN_RANGE_BYTES,
@@ -20,6 +22,9 @@ from swarmnode.snapshot.ranges import (
     node_layout,
     shared_layout,
 )
+from swarmnode.swarm import many_peers
+from swarmnode.swarm.announcements import Announcement
+from swarmnode.swarm.many_peers import ManyPeerFetch, ManyPeersUnavailable
 from swarmnode.swarm.range_fetch import RangeFetcher, RangeFetchFailed, RangeJob
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import FetchFailure
@@ -202,3 +207,66 @@ def test_a_range_travels_as_compressed_byte_planes_and_decodes_only_to_its_size(
     with pytest.raises(RangeError):
         decode_range("gzip", sent, len(data))
     assert encode_range(os.urandom(RANGE))[0] == RAW  # noise: sent as it is
+
+
+# ----- agreeing on a root -----
+
+TEMPLATE = {
+    name: (torch.float32, (RANGE // 4,))
+    for name in ("inner/w/exp_avg", "inner/w/exp_avg_sq", "global/w", "outer_momentum/w")
+}
+
+
+def manifest_of(shared: bytes) -> RangeManifest:
+    node = RangeList.of(os.urandom(2 * RANGE), RANGE)
+    return RangeManifest(2, "c" * 64, RangeList.of(shared, RANGE), node, "{}")
+
+
+def test_the_root_most_peers_hand_in_is_trusted_and_a_silent_peer_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    honest, lie = os.urandom(2 * RANGE), os.urandom(2 * RANGE)
+    answers = {"a": manifest_of(honest), "b": manifest_of(honest), "c": manifest_of(lie)}
+
+    async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
+        if address.startswith("10.0.0.4"):
+            await asyncio.sleep(3600)  # a silent peer
+        return answers[{"10.0.0.1:1": "a", "10.0.0.2:1": "b", "10.0.0.3:1": "c"}[address]]
+
+    monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
+    monkeypatch.setattr(many_peers, "AGREEMENT_GRACE_S", 0.2)
+    peers = [announcement(i, f"10.0.0.{i}:1") for i in (1, 2, 3, 4)]
+    fetch = ManyPeerFetch(TEMPLATE, "b" * 64, max_peers=4)
+    agreeing = asyncio.run(asyncio.wait_for(fetch._agreeing(peers, 2), 10))
+    assert [p.address for p, _ in agreeing] == ["10.0.0.1:1", "10.0.0.2:1"]
+    assert {m.shared.root for _, m in agreeing} == {RangeList.of(honest, RANGE).root}
+
+
+def test_without_two_peers_agreeing_there_is_no_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
+        return manifest_of(os.urandom(2 * RANGE))  # every peer a different state
+
+    monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
+    peers = [announcement(i, f"10.0.0.{i}:1") for i in (1, 2, 3)]
+    fetch = ManyPeerFetch(TEMPLATE, "b" * 64, max_peers=3)
+    with pytest.raises(ManyPeersUnavailable, match="agree"):
+        asyncio.run(fetch._agreeing(peers, 2))
+
+
+def test_a_manifest_whose_sizes_do_not_fit_this_model_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = os.urandom(3 * RANGE)  # this model's shared part is 2 ranges
+
+    async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
+        return manifest_of(shared)
+
+    monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
+    failures: list[str] = []
+    fetch = ManyPeerFetch(TEMPLATE, "b" * 64, max_peers=3, on_range_failure=failures.append)
+    with pytest.raises(ManyPeersUnavailable):
+        asyncio.run(fetch._agreeing([announcement(i, f"10.0.0.{i}:1") for i in (1, 2)], 2))
+    assert failures == ["invalid", "invalid"]
+
+
+def announcement(index: int, address: str) -> Announcement:
+    node = f"{index:02x}" * 20
+    return Announcement(node, address, "a" * 64, 1000, 2, 10, "cold", 1.0, "b" * 64)
