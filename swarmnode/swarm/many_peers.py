@@ -121,7 +121,8 @@ class ManyPeerFetch:
         at_step = sorted((p for p in peers if p.outer_step == outer_step), key=lambda p: p.freshness)[::-1]
         if len(at_step) < self._min_agreeing:
             raise ManyPeersUnavailable(
-                FetchFailure.REFUSED, f"{len(at_step)} peer(s) at outer step {outer_step}, fewer than 2"
+                FetchFailure.REFUSED,
+                f"{len(at_step)} peer(s) at outer step {outer_step}, fewer than {self._min_agreeing}",
             )
         agreeing = await self._agreeing(at_step[: 2 * self._max_peers], outer_step)
         sources = agreeing[: self._max_peers]
