@@ -66,6 +66,8 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--hot-level", "99"],
         ["--seq-len", "100000", "--model", "tiny"],
         ["--reachable", "maybe"],
+        ["--recovery-peers", "0"],
+        ["--recovery-peers", "17"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
@@ -79,6 +81,13 @@ def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_pa
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert argv[0] in lines[0] or argv[-2] in lines[0]
+
+
+def test_recovery_peers_has_an_environment_twin() -> None:
+    assert parse([], {"SWARMNODE_RECOVERY_PEERS": "1"}).recovery_peers == 1
+    assert parse(["--recovery-peers", "5"], {}).recovery_peers == 5
+    with pytest.raises(ConfigError, match="SWARMNODE_RECOVERY_PEERS: must be in 1..16"):
+        parse([], {"SWARMNODE_RECOVERY_PEERS": "0"})
 
 
 def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:
