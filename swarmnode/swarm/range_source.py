@@ -16,10 +16,13 @@ the same shared root.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable
+
+import torch
 
 from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.format import SnapshotError, SnapshotInfo
@@ -35,7 +38,7 @@ from swarmnode.snapshot.ranges import (
     shared_layout,
 )
 from swarmnode.snapshot.read import read_snapshot
-from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate, tensor_bytes
+from swarmnode.snapshot.tensors import TensorTemplate, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -70,27 +73,45 @@ class HeldRanges:
         return ranges[index]
 
 
-def join_blob(loaded: LoadedSnapshot, layout: BlobLayout) -> bytes:
-    return b"".join(tensor_bytes(loaded.tensors[name]).data for name, _ in layout.tensors)
+def cut_blob(tensors: dict[str, torch.Tensor], layout: BlobLayout, range_bytes: int) -> list[bytes]:
+    """The blob of `layout` as range-sized pieces, cut straight from the tensors (never joined whole),
+    each tensor dropped from `tensors` once cut: memory stays at about one copy of the state."""
+    pieces: list[bytes] = []
+    pending: list[memoryview] = []
+    filled = 0
+    for name, _ in layout.tensors:
+        view = memoryview(tensor_bytes(tensors.pop(name)).data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(range_bytes - filled, len(view) - position)
+            pending.append(view[position : position + take])
+            filled, position = filled + take, position + take
+            if filled == range_bytes:
+                pieces.append(b"".join(pending))
+                pending, filled = [], 0
+    if pending:
+        pieces.append(b"".join(pending))
+    return pieces
 
 
-def cut(blob: bytes, ranges: RangeList) -> list[bytes]:
-    view = memoryview(blob)
-    return [bytes(view[slice(*ranges.span(i))]) for i in range(len(ranges))]
+def hashed(pieces: list[bytes], range_bytes: int) -> RangeList:
+    total = sum(len(piece) for piece in pieces)
+    return RangeList(total, range_bytes, tuple(hashlib.sha256(piece).digest() for piece in pieces))
 
 
 def read_ranges(info: SnapshotInfo, template: TensorTemplate, range_bytes: int) -> HeldRanges:
     """Reads and verifies a snapshot file and cuts its blobs into hashed ranges (on a worker thread)."""
     loaded = read_snapshot(info.path, expected_id=info.snapshot_id, template=template)
-    shared = join_blob(loaded, shared_layout(template))
-    node = join_blob(loaded, node_layout(template))
+    tensors = dict(loaded.tensors)
     metadata = json.dumps(loaded.metadata)
     del loaded
-    shared_ranges, node_ranges = RangeList.of(shared, range_bytes), RangeList.of(node, range_bytes)
+    for name in [n for n in tensors if n.startswith("model/")]:
+        del tensors[name]  # never served: a peer adopting this state restarts its round from θ_g
+    shared = cut_blob(tensors, shared_layout(template), range_bytes)
+    node = cut_blob(tensors, node_layout(template), range_bytes)
+    shared_ranges, node_ranges = hashed(shared, range_bytes), hashed(node, range_bytes)
     manifest = RangeManifest(info.outer_step, info.snapshot_id, shared_ranges, node_ranges, metadata)
-    return HeldRanges(
-        manifest, {shared_ranges.root: cut(shared, shared_ranges), node_ranges.root: cut(node, node_ranges)}
-    )
+    return HeldRanges(manifest, {shared_ranges.root: shared, node_ranges.root: node})
 
 
 class SnapshotRanges:

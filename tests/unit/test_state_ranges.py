@@ -22,7 +22,7 @@ from swarmnode.snapshot.ranges import (
     node_layout,
     shared_layout,
 )
-from swarmnode.swarm import many_peers
+from swarmnode.swarm import many_peers, range_source
 from swarmnode.swarm.announcements import Announcement
 from swarmnode.swarm.many_peers import ManyPeerFetch, ManyPeersUnavailable
 from swarmnode.swarm.range_fetch import RangeFetcher, RangeFetchFailed, RangeJob
@@ -270,3 +270,14 @@ def test_a_manifest_whose_sizes_do_not_fit_this_model_is_not_counted(monkeypatch
 def announcement(index: int, address: str) -> Announcement:
     node = f"{index:02x}" * 20
     return Announcement(node, address, "a" * 64, 1000, 2, 10, "cold", 1.0, "b" * 64)
+
+
+def test_a_blob_is_cut_into_ranges_straight_from_its_tensors() -> None:
+    f32 = torch.float32
+    sizes = {"global/a": 1000, "global/b": 3001, "outer_momentum/a": 1000, "outer_momentum/b": 3001}
+    tensors = {name: torch.randn(n) for name, n in sizes.items()}
+    joined = b"".join(tensors[name].numpy().tobytes() for name in sizes)
+    template = {name: (f32, (n,)) for name, n in sizes.items()}
+    pieces = range_source.cut_blob(dict(tensors), shared_layout(template), RANGE)
+    assert b"".join(pieces) == joined and all(len(p) == RANGE for p in pieces[:-1])
+    assert range_source.hashed(pieces, RANGE).root == RangeList.of(joined, RANGE).root
