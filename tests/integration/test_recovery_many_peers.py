@@ -1,49 +1,74 @@
 """Recovery from many peers at once: real `swarmnode run` processes on 127.0.0.1 (README "Recovery from
-many peers")."""
+many peers").
+
+The swarm is built by recoveries, not by matchmaking (whose timing a loaded machine upsets): a first node
+trains two rounds alone and holds (a fault pauses its training thread at inner step 45; its event loop
+serves on), then two more join, each recovering that state from the nodes before it and holding at its
+first inner step. All three then serve one agreed state at outer step 2 — the third one lying about
+every range it serves — when the joiner under test comes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-from test_swarm_recovery import announcements
-
+from swarmnode.net.dht import DHTConfig, SwarmDHT
+from swarmnode.net.identity import Identity
+from swarmnode.swarm.announcements import Announcement, snapshots_key
 from swarmnode.swarm.recovery import read_receipts
-from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
+from swarmtest import NodeProcess, metric_value, node_status, scrape, wait_for
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")
-HOLD = "sleep@inner_step#45=90"
-"""Every member's training thread pauses in round 2 (its event loop serves on), so the swarm holds one
-agreed state at outer step 2 while the joiner recovers."""
-TOGETHER = ("--wait-peers", "2", "--matchmaking-timeout", "30")
-"""On a loaded machine the three start seconds apart: each waits for the others before its first round."""
+FIRST_HOLD = "sleep@inner_step#45=240"
+"""The first node: two rounds alone (outer step 2 after inner step 40), then it holds."""
+JOINED_HOLD = "sleep@inner_step#1=240"
+"""A node that joined: its recovered state (outer step 2) is announced, then it holds."""
+
+
+def announced(dht_port: int, node_id: str) -> Announcement | None:
+    """A node's snapshot announcement as an outside DHT client reads it."""
+
+    async def read() -> Announcement | None:
+        client = SwarmDHT(Identity.generate(), DHTConfig())
+        await client.start([f"127.0.0.1:{dht_port}"])
+        try:
+            entry = (await client.get(snapshots_key("rec"))).get(node_id)
+        finally:
+            await client.stop()
+        return Announcement.from_value(node_id, entry.value) if entry is not None else None
+
+    return asyncio.run(read())
+
+
+def held(node: NodeProcess, inner_step: int, dht_port: int) -> bool:
+    status = node_status(node)
+    if status["inner_step"] != inner_step:
+        return False
+    announcement = announced(dht_port, node.info["node_id"])
+    return announcement is not None and announcement.outer_step == 2
 
 
 def test_recovers_from_three_peers_when_one_serves_corrupt_ranges(tmp_path: Path, reaper) -> None:
-    nodes = start_swarm(
-        reaper,
-        tmp_path,
-        3,
-        [*ARGS, *TOGETHER],
-        faults=[HOLD, HOLD, f"{HOLD},corrupt@serve_range"],
-    )
-    liar = nodes[2]
-    dht_port = nodes[0].info["dht_port"]
+    first = reaper.node(tmp_path / "n0", ARGS, faults=FIRST_HOLD).start()
+    dht_port = first.wait_ready()["dht_port"]
+    wait_for(lambda: held(first, 45, dht_port), 180, "the first node to hold at outer step 2")
+    joined = ["--peers", f"127.0.0.1:{dht_port}"]
+    members = [first]
+    for name, faults in (("n1", JOINED_HOLD), ("n2", f"{JOINED_HOLD},corrupt@serve_range")):
+        node = reaper.node(tmp_path / name, [*ARGS, *joined], faults=faults).start()
+        node.wait_ready()
+        wait_for(lambda n=node: held(n, 1, dht_port), 120, f"{name} to recover and hold")  # type: ignore
+        members.append(node)
+    liar = members[2]
+    digests = {node_status(n)["global_digest"] for n in members}
+    assert len(digests) == 1, digests  # one agreed state, two outer steps past the initial one
 
-    def held_at_step_two() -> bool:
-        found = announcements(dht_port)
-        steps = {found[n.info["node_id"]].outer_step for n in nodes if n.info["node_id"] in found}
-        return len(found) == 3 and steps == {2} and all(node_status(n)["inner_step"] == 45 for n in nodes)
-
-    wait_for(held_at_step_two, 120, "the swarm to hold its state at outer step 2")
-    digests = {node_status(n)["global_digest"] for n in nodes}
-    assert len(digests) == 1, digests
-    joiner = reaper.node(
-        tmp_path / "joiner", [*ARGS, "--recovery-peers", "3", "--peers", f"127.0.0.1:{dht_port}"]
-    ).start()
-    receipt = wait_for(lambda: read_receipts(joiner.data_dir), 60, "the joiner's receipt")[0]
+    joiner = reaper.node(tmp_path / "joiner", [*ARGS, *joined, "--recovery-peers", "3"]).start()
+    receipt = wait_for(lambda: read_receipts(joiner.data_dir), 90, "the joiner's receipt")[0]
     assert receipt["source"] == "peer" and receipt["outer_step"] == 2, receipt
     assert receipt["global_digest"] == digests.pop()
-    assert sorted(receipt["peers"]) == sorted(n.grpc_address for n in nodes), receipt
+    assert sorted(receipt["peers"]) == sorted(n.grpc_address for n in members), receipt
     # Every range came from the honest two; the liar's were refused and fetched from them again.
     assert receipt["ranges_per_peer"].get(liar.grpc_address, 0) == 0, receipt
     assert sum(receipt["ranges_per_peer"].values()) >= 8  # tiny: 4 shared + 4 node ranges of 1 MiB
@@ -53,5 +78,5 @@ def test_recovers_from_three_peers_when_one_serves_corrupt_ranges(tmp_path: Path
     text = scrape(joiner)
     assert metric_value(text, "swarmnode_range_failures_total", 'reason="hash_mismatch"') >= 1
     assert metric_value(text, "swarmnode_recoveries_total", 'source="peer"') == 1
-    served = sum(metric_value(scrape(n), "swarmnode_ranges_served_total", "") for n in nodes[:2])
+    served = sum(metric_value(scrape(n), "swarmnode_ranges_served_total", "") for n in members[:2])
     assert served >= 8
