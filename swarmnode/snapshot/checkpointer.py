@@ -5,9 +5,9 @@ pinned and on a side stream on CUDA); compression, hashing and writing happen on
 thread. At most one write is in flight: a hot snapshot that falls due meanwhile is skipped and counted,
 never waited for; a cold one waits (that wait is the stall it reports). The writer's threads run
 idle-only (SCHED_IDLE: `util/background.py`) so that they take no cycle training wants; a write still
-in flight when the next snapshot falls due, or that someone waits for, is hurried to nice 10 so a busy
-machine cannot starve it. A full disk or an unwritable directory is logged once, counted, and training
-goes on with the snapshots it has.
+in flight when the next snapshot falls due, that someone waits for, or that has run idle-only for twice
+the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot starve it. A full disk
+or an unwritable directory is logged once, counted, and training goes on with the snapshots it has.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import assert_training_thread
 
 logger = logging.getLogger(__name__)
+
+IDLE_GRACE_S = (2.0, 30.0)
+"""Bounds of the seconds a write runs idle-only before it is hurried (see `_idle_grace_s`)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ class SpeculativeCheckpointer:
         self._logged_failures: set[str] = set()
         self.priority = BackgroundPriority()
         """The writer's and its compressing threads' CPU priority (idle-only unless hurried)."""
+        self._last_write_s = 0.0
         self._thread = threading.Thread(target=self._writer_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -250,6 +254,7 @@ class SpeculativeCheckpointer:
         self.wait_idle(timeout_s)
         self._jobs.put(None)
         self._thread.join(timeout_s)
+        self.priority.close()
 
     # ----- the writer thread -----
 
@@ -257,15 +262,22 @@ class SpeculativeCheckpointer:
         tid = self.priority.enter()
         try:
             while (job := self._jobs.get()) is not None:
-                self.priority.relax()  # a new write starts idle-only, whatever the last one needed
+                self.priority.relax(self._idle_grace_s())  # idle-only again, for a while at most
                 try:
                     self._write(job)
                 except Exception:  # a bug must not kill the writer and wedge every later cold snapshot
                     logger.exception("snapshot writer failed unexpectedly")
                 finally:
+                    self.priority.finished()
                     self._slot.release()  # the write is over: the staging buffers are free again
         finally:
             self.priority.leave(tid)
+
+    def _idle_grace_s(self) -> float:
+        """How long a write may run idle-only before the watchdog hurries it: twice the last one's
+        time (a bigger state or a slower disk takes longer), within IDLE_GRACE_S."""
+        low, high = IDLE_GRACE_S
+        return min(max(2.0 * self._last_write_s, low), high)
 
     def _write(self, job: _Job) -> None:
         if job.copied is not None:
@@ -298,6 +310,7 @@ class SpeculativeCheckpointer:
             self._record_failure(exc)
             return
         seconds = time.perf_counter() - started
+        self._last_write_s = seconds
         self._record_success(info, raw_bytes, seconds)
         kept = self._apply_retention()
         if self.on_written is not None and info in kept:  # never announce a file retention just removed

@@ -65,14 +65,32 @@ def test_members_are_idle_only_until_hurried_and_again_after_relax() -> None:
         late = Member(priority)  # joins while hurried: starts at nice 10 too
         try:
             assert nice_10(early.tid) and nice_10(late.tid)
-            priority.relax()
+            priority.relax(grace_s=60)
             assert idle(early.tid) and idle(late.tid)
         finally:
             late.end()
         assert late.tid not in priority.members()
     finally:
         early.end()
+        priority.close()
     assert priority.members() == frozenset()
+
+
+@needs_idle
+def test_the_watchdog_hurries_work_that_stayed_idle_only_past_its_grace() -> None:
+    """A machine busy with other work could starve an idle-only write forever."""
+    priority = BackgroundPriority()
+    member = Member(priority)
+    try:
+        priority.relax(grace_s=0.2)
+        assert idle(member.tid)
+        wait_until(lambda: nice_10(member.tid) or None, 10, "the watchdog's hurry")
+        priority.relax(grace_s=60)
+        priority.finished()  # ended in time: nothing left to hurry
+        assert idle(member.tid) and not priority.hurried
+    finally:
+        member.end()
+        priority.close()
 
 
 def test_where_sched_idle_cannot_be_left_members_run_at_nice_10(monkeypatch) -> None:
