@@ -42,6 +42,9 @@ class DilocoConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     """Global gradient-norm clip of each inner step."""
+    fragments: int = 1
+    """K: Δ is cut into K fragments that the rounds synchronise in turn, a round being H/K inner steps
+    (Streaming DiLoCo; `fragments.py`, applied by `TrainingRun`); 1: every round takes all of Δ."""
 
 
 @dataclass(frozen=True)

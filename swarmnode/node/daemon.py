@@ -81,6 +81,7 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
         schedule=cfg.inner_schedule,
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
+        fragments=cfg.fragments,
     )
     corpus_digest = checked.corpus.digest
     digest = run_digest(
@@ -282,7 +283,7 @@ class Node:
             if await self._catch_up(last):
                 await self._rejoin_phase()
             else:
-                if self.run_state.sample.round_step < self.cfg.inner_steps:
+                if self.run_state.sample.round_step < self.cfg.round_steps:
                     self.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                 await self.training.run(self._inner_phase, (self._stop,), self.round_deadline())
             if self._stop.is_set():
@@ -322,7 +323,7 @@ class Node:
     ) -> None:
         """Until any of `stops` is set; `counted_steps`: steps of a round in flight that still count in
         the round (--overlap)."""
-        max_steps = self.cfg.inner_steps + counted_steps
+        max_steps = self.cfg.round_steps + counted_steps
         self.run_state.inner_phase(max_steps, deadline, stops, self._after_inner_step)
 
     async def _rejoin_phase(self) -> None:
@@ -518,5 +519,5 @@ class Node:
     def progress_sample(self) -> ProgressSample:
         created = self.parts.checkpointer.newest_created_at()
         return self.board.progress(
-            self.run_state.sample, self.cfg.inner_steps, self.dht.peer_count(), created
+            self.run_state.sample, self.cfg.round_steps, self.dht.peer_count(), created
         )

@@ -70,7 +70,7 @@ class OverlappedRounds:
                 if self.pending is None and await node._catch_up(self.last):
                     await node._rejoin_phase()
                 else:
-                    if node.run_state.sample.round_step < node.cfg.inner_steps + self.pending_steps:
+                    if node.run_state.sample.round_step < node.cfg.round_steps + self.pending_steps:
                         node.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                     await self._train()
                 if node._stop.is_set():

@@ -1,0 +1,80 @@
+"""`--fragments K`: Streaming DiLoCo's staggered fragments (Douillard et al. 2025, §2.1).
+
+Δ (n values, flat, in parameter order) is cut into K contiguous flat ranges of equal size,
+fragment p = [p·n/K, (p+1)·n/K), and the rounds take the fragments in turn: a round is H/K inner steps,
+and round r synchronises fragment p = r mod K only. So fragment p is synchronised at the inner steps
+t ≡ (p+1)·H/K (mod H), once every H steps, and a node runs K all-reduces of n/K values per H steps
+instead of one of n: the peak bandwidth drops K×. Round r's outer step, on fragment p's range F only:
+
+    Δ_F  = θ_g[F] − θ[F]                         (θ[F] trained locally since fragment p's last step)
+    m'_F = μ·m_F + Δ̄_F,   θ_g'[F] = θ_g[F] − lr·(Δ̄_F + μ·m'_F)    (Nesterov on that slice only)
+    θ[F] ← θ_g'[F]                               (blocking; `--overlap on`: the overlapped merge on F)
+
+and θ_g, its momentum and θ stay as they are outside F (θ keeps training there). This is exactly a
+round whose all-reduce covered only F (`AveragedDelta.covered`): the all-reduce runs on the contiguous
+view Δ[F], its result is lifted back to flat coordinates (`FragmentPlan.lift`), and the trainer's outer
+steps apply it unchanged, carried ranges and partial coverage included. K = 1 is blocking DiLoCo
+bit for bit (the whole range: `slice` and `lift` return what they were given).
+
+Why contiguous ranges balanced by size, not Streaming DiLoCo's strided layer groups: the transport,
+the coverage policy and the outer steps all work on flat ranges already, so a fragment is one range
+that is sent as a view (no gather or scatter copies) and needs no second path; equal sizes make every
+round's bytes exactly n/K (a layer cut would be unbalanced: `tiny`'s embedding alone is most of it).
+The price: a fragment is a band of consecutive layers, not layers strided across depth.
+
+The fragment a round takes is a function of the swarm's round counter (the outer step), which every
+snapshot keeps, so a restored or repaired node resumes at the exact place in the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swarmnode.core.diloco import AveragedDelta, Range
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """How Δ of `numel` values is cut into `count` fragments, and which one each round takes."""
+
+    numel: int
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= max(self.numel, 1):
+            raise ValueError(f"fragments: must be in 1..{self.numel}, got {self.count}")
+
+    def fragment(self, index: int) -> Range:
+        """Fragment `index`'s flat range [a, b)."""
+        return index * self.numel // self.count, (index + 1) * self.numel // self.count
+
+    def for_round(self, outer_step: int) -> Range:
+        """The range round `outer_step` synchronises: fragment outer_step mod K."""
+        return self.fragment(outer_step % self.count)
+
+    @property
+    def ranges(self) -> tuple[Range, ...]:
+        return tuple(self.fragment(p) for p in range(self.count))
+
+    def slice(self, delta: torch.Tensor, fragment: Range) -> torch.Tensor:
+        """Δ[F] as a contiguous view of the flat Δ (Δ itself for the whole range)."""
+        a, b = fragment
+        return delta if (a, b) == (0, self.numel) else delta[a:b]
+
+    def lift(self, averaged: AveragedDelta, fragment: Range) -> AveragedDelta:
+        """A fragment round's average (ranges relative to F) in flat coordinates: zeros and uncovered
+        outside F, so an outer step moves nothing there. The whole range: `averaged` itself."""
+        a, b = fragment
+        if (a, b) == (0, self.numel):
+            return averaged
+        assert averaged.delta.numel() == b - a, (averaged.delta.numel(), fragment)
+        flat = torch.zeros(self.numel, dtype=averaged.delta.dtype)
+        flat[a:b].copy_(averaged.delta)
+        return AveragedDelta(
+            flat,
+            tuple((a + lo, a + hi) for lo, hi in averaged.covered),
+            averaged.group_size,
+            carried=tuple((a + lo, a + hi) for lo, hi in averaged.carried),
+        )
