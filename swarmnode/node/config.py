@@ -326,7 +326,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("device", _choice(DEVICES), "where to train; auto picks cuda when available", choices=DEVICES),
     Flag("threads", _positive_int, "CPU threads for torch (default: torch's own choice)"),
-    Flag("inner_steps", _positive_int, "H: the most inner AdamW steps per round (with --fragments K: per fragment; a round is H/K)"),
+    Flag(
+        "inner_steps",
+        _positive_int,
+        "H: the most inner AdamW steps per round (with --fragments K: per fragment; a round is H/K)",
+    ),
     Flag(
         "inner_seconds",
         _positive_float,
