@@ -62,6 +62,18 @@ class AveragedDelta:
     def coverage(self) -> float:
         return sum(b - a for a, b in self.covered) / max(self.delta.numel(), 1)
 
+    def placed_at(self, offset: int, numel: int) -> AveragedDelta:
+        """This average of Δ[offset : offset + len] as one of a flat Δ of `numel` values: zeros and
+        uncovered elsewhere, so an outer step moves nothing there (a fragment round: `fragments.py`)."""
+        flat = torch.zeros(numel, dtype=self.delta.dtype)
+        flat[offset : offset + self.delta.numel()].copy_(self.delta)
+        return AveragedDelta(
+            flat,
+            tuple((offset + a, offset + b) for a, b in self.covered),
+            self.group_size,
+            carried=tuple((offset + a, offset + b) for a, b in self.carried),
+        )
+
 
 @dataclass(frozen=True)
 class ParamSlot:

@@ -2,9 +2,11 @@
 
 Δ (n values, flat, in parameter order) is cut into K contiguous flat ranges of equal size,
 fragment p = [p·n/K, (p+1)·n/K), and the rounds take the fragments in turn: a round is H/K inner steps,
-and round r synchronises fragment p = r mod K only. So fragment p is synchronised at the inner steps
-t ≡ (p+1)·H/K (mod H), once every H steps, and a node runs K all-reduces of n/K values per H steps
-instead of one of n: the peak bandwidth drops K×. Round r's outer step, on fragment p's range F only:
+and round r synchronises fragment p = r mod K only. Round r ends at inner step ⌊(r+1)·H/K⌋ of the run's
+schedule (`round_steps`: H/K steps each when K divides H, else ⌊H/K⌋ or ⌈H/K⌉ in turn, K rounds
+always making H steps), so fragment p is synchronised at the inner steps t ≡ ⌊(p+1)·H/K⌋ (mod H),
+once every H steps, and a node runs K all-reduces of n/K values per H steps instead of one of n: the
+peak bandwidth drops K×. Round r's outer step, on fragment p's range F only:
 
     Δ_F  = θ_g[F] − θ[F]                         (θ[F] trained locally since fragment p's last step)
     m'_F = μ·m_F + Δ̄_F,   θ_g'[F] = θ_g[F] − lr·(Δ̄_F + μ·m'_F)    (Nesterov on that slice only)
@@ -12,7 +14,7 @@ instead of one of n: the peak bandwidth drops K×. Round r's outer step, on frag
 
 and θ_g, its momentum and θ stay as they are outside F (θ keeps training there). This is exactly a
 round whose all-reduce covered only F (`AveragedDelta.covered`): the all-reduce runs on the contiguous
-view Δ[F], its result is lifted back to flat coordinates (`FragmentPlan.lift`), and the trainer's outer
+view Δ[F], its result is placed back in flat coordinates (`FragmentPlan.lift`), and the trainer's outer
 steps apply it unchanged, carried ranges and partial coverage included. K = 1 is blocking DiLoCo
 bit for bit (the whole range: `slice` and `lift` return what they were given).
 
@@ -29,10 +31,24 @@ snapshot keeps, so a restored or repaired node resumes at the exact place in the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+Range = tuple[int, int]
 
-from swarmnode.core.diloco import AveragedDelta, Range
+if TYPE_CHECKING:  # (no torch at import: the node's config reads `round_steps`)
+    import torch
+
+    from swarmnode.core.diloco import AveragedDelta
+
+
+def round_steps(inner_steps: int, fragments: int, outer_step: int) -> int:
+    """Inner steps of round `outer_step`: ⌊(r+1)·H/K⌋ − ⌊r·H/K⌋ (H: `inner_steps`, K: `fragments`)."""
+    return (outer_step + 1) * inner_steps // fragments - outer_step * inner_steps // fragments
+
+
+def steps_in_rounds(inner_steps: int, fragments: int, rounds: int) -> int:
+    """Inner steps of rounds 0 … rounds−1 together: ⌊rounds·H/K⌋."""
+    return rounds * inner_steps // fragments
 
 
 @dataclass(frozen=True)
@@ -58,23 +74,19 @@ class FragmentPlan:
     def ranges(self) -> tuple[Range, ...]:
         return tuple(self.fragment(p) for p in range(self.count))
 
-    def slice(self, delta: torch.Tensor, fragment: Range) -> torch.Tensor:
+    def whole(self, fragment: Range) -> bool:
+        """Whether `fragment` is all of Δ (K = 1): its Δ is Δ itself and its average needs no lifting."""
+        return fragment == (0, self.numel)
+
+    def delta_of(self, delta: torch.Tensor, fragment: Range) -> torch.Tensor:
         """Δ[F] as a contiguous view of the flat Δ (Δ itself for the whole range)."""
         a, b = fragment
-        return delta if (a, b) == (0, self.numel) else delta[a:b]
+        return delta if self.whole(fragment) else delta[a:b]
 
     def lift(self, averaged: AveragedDelta, fragment: Range) -> AveragedDelta:
-        """A fragment round's average (ranges relative to F) in flat coordinates: zeros and uncovered
-        outside F, so an outer step moves nothing there. The whole range: `averaged` itself."""
-        a, b = fragment
-        if (a, b) == (0, self.numel):
+        """A fragment round's average (ranges relative to F) in flat coordinates
+        (`AveragedDelta.placed_at`; the whole range: `averaged` itself)."""
+        if self.whole(fragment):
             return averaged
-        assert averaged.delta.numel() == b - a, (averaged.delta.numel(), fragment)
-        flat = torch.zeros(self.numel, dtype=averaged.delta.dtype)
-        flat[a:b].copy_(averaged.delta)
-        return AveragedDelta(
-            flat,
-            tuple((a + lo, a + hi) for lo, hi in averaged.covered),
-            averaged.group_size,
-            carried=tuple((a + lo, a + hi) for lo, hi in averaged.carried),
-        )
+        assert averaged.delta.numel() == fragment[1] - fragment[0], (averaged.delta.numel(), fragment)
+        return averaged.placed_at(fragment[0], self.numel)

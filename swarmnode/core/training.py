@@ -244,7 +244,7 @@ class TrainingRun:
         assert p.committed_cursor is not None
         in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
         fragment = self.fragments.for_round(p.outer_step)
-        delta = _poisoned(self.fragments.slice(self.trainer.pseudo_gradient(), fragment), p.outer_step + 1)
+        delta = _poisoned(self.fragments.delta_of(self.trainer.pseudo_gradient(), fragment), p.outer_step + 1)
         return RoundStart(
             p.outer_step,
             dict(p.committed_cursor),

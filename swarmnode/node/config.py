@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
@@ -109,13 +110,13 @@ class NodeConfig:
     @property
     def inner_schedule(self) -> InnerSchedule:
         """The inner learning-rate schedule: a cosine ends at --total-steps, or else after
-        --max-outer-steps rounds (of `round_steps` each); a constant one has no end. ConfigError when a
+        --max-outer-steps rounds (`steps_in_rounds`); a constant one has no end. ConfigError when a
         cosine's end is not past its warm-up."""
         if self.lr_schedule == LrSchedule.CONSTANT:
             return InnerSchedule(LrSchedule.CONSTANT, self.inner_warmup_steps)
         total = self.total_steps
         if total is None and self.max_outer_steps is not None:
-            total = self.max_outer_steps * self.round_steps
+            total = steps_in_rounds(self.inner_steps, self.fragments, self.max_outer_steps)
         try:
             return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
         except ValueError:
@@ -123,10 +124,9 @@ class NodeConfig:
                 f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
             ) from None
 
-    @property
-    def round_steps(self) -> int:
-        """Inner steps per round: H, or H/K with --fragments K (each round synchronises one fragment)."""
-        return self.inner_steps // self.fragments
+    def round_steps(self, outer_step: int) -> int:
+        """Inner steps of round `outer_step`: H, or about H/K with --fragments K (core/fragments.py)."""
+        return round_steps(self.inner_steps, self.fragments, outer_step)
 
     @property
     def advertised_host(self) -> str:
@@ -164,8 +164,8 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
-    if cfg.inner_steps % cfg.fragments:  # (so K ≤ H too): every round is H/K steps, none rounded
-        raise ConfigError(f"--fragments: must divide --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
+    if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
+        raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
 
 
@@ -447,8 +447,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "fragments",
         _positive_int,
-        "K: Δ cut into K equal flat ranges synchronised in turn, one per round of H/K inner steps, so each "
-        "all-reduce sends 1/K of Δ (README: fragments); must divide --inner-steps and agree across the run",
+        "K: Δ cut into K equal flat ranges synchronised in turn, one per round of H/K inner steps (rounded "
+        "down or up in turn when K does not divide H), so each all-reduce sends 1/K of Δ (README: "
+        "fragments); at most --inner-steps; must agree across the run",
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),

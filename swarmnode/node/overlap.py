@@ -70,7 +70,7 @@ class OverlappedRounds:
                 if self.pending is None and await node._catch_up(self.last):
                     await node._rejoin_phase()
                 else:
-                    if node.run_state.sample.round_step < node.cfg.round_steps + self.pending_steps:
+                    if node.run_state.sample.round_step < node.round_steps() + self.pending_steps:
                         node.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                     await self._train()
                 if node._stop.is_set():
@@ -100,7 +100,10 @@ class OverlappedRounds:
             if self.pending is not None:
                 self.pending.add_done_callback(_setter(interrupt))
             await node.training.run(
-                node._inner_phase, (node._stop, interrupt), self.deadline, self.pending_steps
+                node._inner_phase,
+                (node._stop, interrupt),
+                self.deadline,
+                node.round_steps() + self.pending_steps,
             )
             if self.pending is None or not self.pending.done() or node._stop.is_set():
                 return
