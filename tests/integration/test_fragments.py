@@ -4,17 +4,19 @@ fragment only, and the ledgers replay (core/fragments.py)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+import pytest
 import torch
-from test_swarm_averaging import SWARM
+from test_swarm_averaging import SWARM, digests_by_round, first_round_all_agree
 
 from swarmnode.core.fragments import FragmentPlan
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import preset
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot
-from swarmtest import NodeProcess, assert_ledgers_replay, cold_metadata, start_swarm
+from swarmtest import NodeProcess, assert_ledgers_replay, cold_metadata, start_swarm, stop_all, wait_for
 
 FRAGMENTED = [*SWARM, "--fragments", "2", "--wire-dtype", "fp32", "--wait-peers", "2"]
 ROUND_STEPS = 5  # --inner-steps 10 in two fragments
@@ -48,4 +50,20 @@ def test_a_fragmented_swarm_agrees_after_every_fragment_step_and_moves_one_fragm
         moved = (global_params(nodes[0], outer + 1) != global_params(nodes[0], outer)).nonzero().flatten()
         a, b = plan.for_round(outer)
         assert moved.numel() > 0 and a <= int(moved.min()) and int(moved.max()) < b, (outer, a, b)
+    assert_ledgers_replay(nodes)
+
+
+@pytest.mark.slow
+def test_a_node_killed_between_fragment_steps_recovers_and_the_swarm_agrees_again(
+    tmp_path: Path, reaper
+) -> None:
+    args = [*FRAGMENTED, "--allreduce-timeout", "8", "--max-outer-steps", "40", "--hot-every", "3"]
+    nodes = start_swarm(reaper, tmp_path, 3, args, faults=[None, None, "kill@inner_step#18"])
+    victim = nodes[2]
+    assert victim.wait(120) == -signal.SIGKILL  # in round 3 (fragment 1), fragment 0 stepped before
+    killed_at = max(digests_by_round(nodes[:2]), default=0)
+    victim.restart()
+    agreed = wait_for(lambda: first_round_all_agree(nodes, killed_at), 150, "all three digests to agree")
+    assert agreed > killed_at
+    stop_all(nodes)
     assert_ledgers_replay(nodes)
