@@ -67,3 +67,22 @@ def test_a_node_killed_between_fragment_steps_recovers_and_the_swarm_agrees_agai
     assert agreed > killed_at
     stop_all(nodes)
     assert_ledgers_replay(nodes)
+
+
+@pytest.mark.slow
+def test_overlapped_fragment_rounds_agree_after_every_step_and_their_ledgers_replay(
+    tmp_path: Path, reaper
+) -> None:
+    nodes = start_swarm(reaper, tmp_path, 3, [*FRAGMENTED, "--overlap", "on", "--max-outer-steps", "6"])
+    for node in nodes:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    metas = [cold_metadata(n) for n in nodes]
+    for outer in range(1, 7):
+        digests = {m[outer]["global_digest"] for m in metas}
+        assert len(digests) == 1, f"round {outer}: {len(digests)} different global digests"
+    plan = FragmentPlan(global_params(nodes[0], 1).numel(), 2)
+    for outer in range(1, 6):
+        moved = (global_params(nodes[0], outer + 1) != global_params(nodes[0], outer)).nonzero().flatten()
+        a, b = plan.for_round(outer)
+        assert moved.numel() > 0 and a <= int(moved.min()) and int(moved.max()) < b, (outer, a, b)
+    assert_ledgers_replay(nodes)
