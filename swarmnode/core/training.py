@@ -88,8 +88,9 @@ class RoundStart:
     end: dict[str, int]
     """The loader's cursor: where it ends."""
     delta: torch.Tensor
-    """Δ = θ_g − θ as sent to the swarm (the trainer's own buffer, or its poisoned copy under the test
-    faults): unchanged until the round's outer step is applied, which uses the trainer's own Δ."""
+    """Δ = θ_g − θ on `fragment`, as sent to the swarm (a view of the trainer's own buffer, or its
+    poisoned copy under the test faults): unchanged until the round's outer step is applied, which
+    uses the trainer's own Δ."""
     weight: float
     """Tokens trained in the round (and in rounds carried into it): the averaging weight."""
     global_digest: str

@@ -24,6 +24,8 @@ inner phase goes on to its H steps. Invariants:
 - SIGTERM lets the round in flight finish (within --allreduce-timeout) before the final snapshot.
 A landed round that says this node is behind or astray stops the inner phase: the catch-up runs
 before any further step (the overlap's steps are then trained again from the adopted state).
+With --fragments the round in flight is one fragment's (core/fragments.py): its all-reduce has the
+next fragment round's H/K steps to land in, and the merge above applies on that fragment's range only.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig
-from swarmnode.core.fragments import FragmentPlan
+from swarmnode.core.fragments import FragmentPlan, round_steps, steps_in_rounds
 from swarmnode.core.presets import preset
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.snapshot.metadata import SnapshotMetadata
@@ -155,3 +155,9 @@ def test_a_snapshot_mid_cycle_resumes_the_fragment_schedule_exactly(tmp_path: Pa
     assert torch.equal(resumed.trainer.outer_momentum, straight.trainer.outer_momentum)
     assert torch.equal(local(resumed), local(straight))
     assert resumed.progress.committed_cursor == straight.progress.committed_cursor
+
+
+def test_k_rounds_make_h_steps_when_k_does_not_divide_h() -> None:
+    assert [round_steps(50, 4, r) for r in range(8)] == [12, 13, 12, 13, 12, 13, 12, 13]
+    assert [round_steps(10, 1, r) for r in range(3)] == [10, 10, 10]  # K = 1: H every round
+    assert all(steps_in_rounds(50, 4, r) == sum(round_steps(50, 4, i) for i in range(r)) for r in range(9))
