@@ -80,6 +80,8 @@ def test_overlapped_fragment_rounds_agree_after_every_step_and_their_ledgers_rep
     for outer in range(1, 7):
         digests = {m[outer]["global_digest"] for m in metas}
         assert len(digests) == 1, f"round {outer}: {len(digests)} different global digests"
+    # The steps did overlap: a fragment's step landed after inner steps of the next fragment round.
+    assert max(m[outer]["inner_step"] - ROUND_STEPS * outer for m in metas for outer in range(1, 6)) > 0
     plan = FragmentPlan(global_params(nodes[0], 1).numel(), 2)
     for outer in range(1, 6):
         moved = (global_params(nodes[0], outer + 1) != global_params(nodes[0], outer)).nonzero().flatten()
