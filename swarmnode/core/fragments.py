@@ -21,7 +21,8 @@ bit for bit (the whole range: `slice` and `lift` return what they were given).
 Why contiguous ranges balanced by size, not Streaming DiLoCo's strided layer groups: the transport,
 the coverage policy and the outer steps all work on flat ranges already, so a fragment is one range
 that is sent as a view (no gather or scatter copies) and needs no second path; equal sizes make every
-round's bytes exactly n/K (a layer cut would be unbalanced: `tiny`'s embedding alone is most of it).
+round's bytes exactly n/K, whatever the tensors' sizes (`tiny`'s run from 128 to 65,536 values, and
+it has 2 blocks: groups of whole tensors or layers strided by index would be far apart in size).
 The price: a fragment is a band of consecutive layers, not layers strided across depth.
 
 The fragment a round takes is a function of the swarm's round counter (the outer step), which every
