@@ -46,6 +46,11 @@ def test_a_fragmented_swarm_agrees_after_every_fragment_step_and_moves_one_fragm
         assert all(m[outer]["inner_step"] == ROUND_STEPS * outer for m in metas)  # rounds of H/K steps
         assert all(len(m[outer]["last_round"]["group"]) == 3 for m in metas)
     plan = FragmentPlan(global_params(nodes[0], 1).numel(), 2)
+    # Each all-reduce carried half of Δ: the butterfly's 2(N−1)/N of the fragment's fp32 bytes.
+    fragment_bytes = 4 * (plan.fragment(0)[1] - plan.fragment(0)[0])
+    for m in metas:
+        sent = m[4]["last_round"]["bytes_sent"]
+        assert abs(sent - 2 * 2 / 3 * fragment_bytes) <= 64, (sent, fragment_bytes)
     for outer in range(1, 4):  # round `outer` averaged fragment outer mod 2, and moved θ_g only there
         moved = (global_params(nodes[0], outer + 1) != global_params(nodes[0], outer)).nonzero().flatten()
         a, b = plan.for_round(outer)
