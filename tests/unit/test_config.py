@@ -66,6 +66,8 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--hot-level", "99"],
         ["--seq-len", "100000", "--model", "tiny"],
         ["--reachable", "maybe"],
+        ["--fragments", "0"],
+        ["--inner-steps", "4", "--fragments", "5"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
@@ -79,6 +81,17 @@ def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_pa
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert argv[0] in lines[0] or argv[-2] in lines[0]
+
+
+def test_fragments_cut_each_h_steps_into_k_rounds_from_flag_or_env() -> None:
+    cfg = parse(
+        ["--inner-steps", "50", "--max-outer-steps", "8", "--lr-schedule", "cosine"],
+        {"SWARMNODE_FRAGMENTS": "4"},
+    )
+    assert cfg.fragments == 4
+    assert [cfg.round_steps(r) for r in range(8)] == [12, 13, 12, 13] * 2  # K rounds make H steps
+    assert cfg.inner_schedule.total_steps == 100  # the cosine ends with the 8th fragment round
+    assert [parse(["--inner-steps", "50"]).round_steps(r) for r in range(3)] == [50, 50, 50]
 
 
 def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:
