@@ -16,8 +16,10 @@ kernels (the node's settings with `--threads 1`), the sides at once. Bytes per w
 
 `--variants` also runs, beside blocking DiLoCo at equal tokens and the same learning rates: `overlap`,
 the overlapped outer step of `--overlap on` with each round's average landing `OVERLAP_SHARE`·H inner
-steps into the next round (`DilocoTrainer.outer_step_overlapped`), and `int4`, every Δ and every
-average through the 4-bit wire codec, as the butterfly sends them.
+steps into the next round (`DilocoTrainer.outer_step_overlapped`), `int4`, every Δ and every
+average through the 4-bit wire codec, as the butterfly sends them, and `fragments`, `--fragments
+FRAGMENTS` as a node runs it (`core/fragments.py`, the same plan and outer step as `TrainingRun`):
+R·K rounds of about H/K inner steps, round r averaging fragment r mod K only.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from swarmnode.bench.runner import BenchResult
 from swarmnode.core.data import Batch, Corpus, ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.fragments import FragmentPlan, round_steps
 from swarmnode.core.model import build_model, configure_determinism, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.core.schedule import InnerSchedule, LrSchedule
@@ -67,6 +70,8 @@ DEFAULT_LR = {"diloco": 2e-3, "dp": 4e-3, "single": 2e-3}
 
 OVERLAP_SHARE = 0.25
 """Inner steps an overlapped all-reduce takes, as a share of H (a slow link's round)."""
+FRAGMENTS = 4
+"""K of the `fragments` variant (Streaming DiLoCo's own choice for its largest runs is of this order)."""
 
 
 class Side(StrEnum):
@@ -75,15 +80,17 @@ class Side(StrEnum):
     SINGLE = "single"
     OVERLAP = "overlap"
     INT4 = "int4"
+    FRAGMENTS = "fragments"
 
 
-VARIANTS = (Side.OVERLAP, Side.INT4)
+VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS)
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",
     Side.SINGLE: "one worker",
     Side.OVERLAP: "DiLoCo, overlapped outer step",
     Side.INT4: "DiLoCo, int4 wire",
+    Side.FRAGMENTS: f"DiLoCo, {FRAGMENTS} fragments",
 }
 
 
@@ -173,6 +180,7 @@ def train_side(job: SideJob) -> Curve:
         Side.SINGLE: _single_rounds,
         Side.OVERLAP: _diloco_rounds,
         Side.INT4: _diloco_rounds,
+        Side.FRAGMENTS: _fragment_rounds,
     }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
@@ -230,6 +238,27 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
         for trainer, delta in zip(trainers, pending[1], strict=True):
             trainer.outer_step_overlapped(pending[0], delta)
         yield trainers[0], True
+
+
+def _fragment_rounds(corpus: Corpus, job: SideJob) -> Any:
+    """Worker 0 before the first and after every K fragment rounds (H inner steps, as the other sides
+    are measured): round r trains `round_steps` inner steps, averages Δ on fragment r mod K only and
+    takes the outer step there, as `TrainingRun.prepare_round` and `apply_outer` do on a node."""
+    trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
+    loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
+    plan = FragmentPlan(trainers[0].global_flat.numel(), FRAGMENTS)
+    yield trainers[0], True
+    for r in range(job.rounds * FRAGMENTS):
+        for trainer, shard_loader in zip(trainers, loaders, strict=True):
+            for _ in range(round_steps(job.inner_steps, FRAGMENTS, r)):
+                trainer.inner_step(shard_loader.next_batch())
+        fragment = plan.for_round(r)
+        deltas = [plan.delta_of(t.pseudo_gradient(), fragment).clone() for t in trainers]
+        averaged = plan.lift(group_average(deltas, "fp32"), fragment)
+        for trainer in trainers:
+            trainer.outer_step(averaged)
+        if (r + 1) % FRAGMENTS == 0:
+            yield trainers[0], True
 
 
 def group_average(deltas: Sequence[torch.Tensor], wire: str) -> AveragedDelta:
@@ -370,7 +399,7 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
 
 
 def report_variants(result: BenchResult, comparison: Comparison, log_dir: Path) -> None:
-    """The overlapped outer step and the int4 wire against blocking DiLoCo at the same flags."""
+    """The overlapped outer step, the int4 wire and fragments against blocking DiLoCo at the same flags."""
     base = comparison.diloco
     jobs = [replace(base.job, side=side) for side in VARIANTS]
     for curve in run_jobs(jobs, log_dir):
@@ -391,7 +420,8 @@ def bench_quality(
     """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
     `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget; `--swarm`
     runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`); `--variants` adds
-    the overlapped outer step and the int4 wire beside blocking DiLoCo, same learning rates."""
+    the overlapped outer step, the int4 wire and `--fragments FRAGMENTS` beside blocking DiLoCo, same
+    learning rates."""
     if plot is not None and not plot.endswith(".png"):
         raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
     setup = Setup(

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         action="store_const",
         const=True,
-        help="quality: also the overlapped outer step and the int4 wire, against blocking DiLoCo",
+        help="quality: also the overlapped outer step, the int4 wire and 4 fragments, against blocking",
     )
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"

@@ -42,6 +42,9 @@ class DilocoConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     """Global gradient-norm clip of each inner step."""
+    fragments: int = 1
+    """K: Δ is cut into K fragments that the rounds synchronise in turn, a round being H/K inner steps
+    (Streaming DiLoCo; `fragments.py`, applied by `TrainingRun`); 1: every round takes all of Δ."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,18 @@ class AveragedDelta:
     @property
     def coverage(self) -> float:
         return sum(b - a for a, b in self.covered) / max(self.delta.numel(), 1)
+
+    def placed_at(self, offset: int, numel: int) -> AveragedDelta:
+        """This average of Δ[offset : offset + len] as one of a flat Δ of `numel` values: zeros and
+        uncovered elsewhere, so an outer step moves nothing there (a fragment round: `fragments.py`)."""
+        flat = torch.zeros(numel, dtype=self.delta.dtype)
+        flat[offset : offset + self.delta.numel()].copy_(self.delta)
+        return AveragedDelta(
+            flat,
+            tuple((offset + a, offset + b) for a, b in self.covered),
+            self.group_size,
+            carried=tuple((offset + a, offset + b) for a, b in self.carried),
+        )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ record of the node says whether its last contribution made it into the model. A 
 proves that no batch of the shard was counted twice or skipped, except the batches of rounds whose
 node died or went astray, which were trained again.
 
+With `--fragments K` a round is a fragment round (`fragments.py`): its range is the batches since the
+previous applied round, its work entering θ_g over the next K fragment steps; the chain is the same.
+
 `cross_check` holds each node's chain against the others' testimony: a round a node's chain keeps (its
 batches counted in the model) must not be one whose average another member recorded without it — the
 batches of a member that died mid-round are in no average, so it must come back at the round's start.

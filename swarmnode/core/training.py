@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from swarmnode.core.data import Corpus, ShardLoader
-from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, Range
+from swarmnode.core.fragments import FragmentPlan
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
 from swarmnode.snapshot.format import SnapshotError
@@ -87,8 +88,9 @@ class RoundStart:
     end: dict[str, int]
     """The loader's cursor: where it ends."""
     delta: torch.Tensor
-    """Δ = θ_g − θ as sent to the swarm (the trainer's own buffer, or its poisoned copy under the test
-    faults): unchanged until the round's outer step is applied, which uses the trainer's own Δ."""
+    """Δ = θ_g − θ on `fragment`, as sent to the swarm (a view of the trainer's own buffer, or its
+    poisoned copy under the test faults): unchanged until the round's outer step is applied, which
+    uses the trainer's own Δ."""
     weight: float
     """Tokens trained in the round (and in rounds carried into it): the averaging weight."""
     global_digest: str
@@ -96,6 +98,9 @@ class RoundStart:
     """Whether the lineage holds other nodes' work (a round without a group is then held)."""
     steps: int
     """Inner steps in the round when it ended (an overlapped outer step leaves later ones to the next)."""
+    fragment: Range
+    """The flat range of the global params this round synchronises (`fragments.py`; all of them
+    unless --fragments): `delta` is Δ on that range."""
 
 
 def _point(cursor: dict[str, int]) -> tuple[int, int, int]:
@@ -136,6 +141,8 @@ def run_digest(
         "corpus": corpus_digest,
         "format": 3,  # 2: averaged parts name the members they hold; 3: the inner schedule
     }
+    if diloco.fragments != 1:  # (absent at 1, so runs without fragments keep their digest)
+        agreed["fragments"] = diloco.fragments
     return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
 
 
@@ -161,6 +168,7 @@ class TrainingRun:
             int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
         )
         self.trainer = DilocoTrainer(self.model, diloco, device)
+        self.fragments = FragmentPlan(self.trainer.global_flat.numel(), diloco.fragments)
         self.progress = Progress(committed_cursor=loader.state_dict())
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
         self.tokens_per_second = 0.0
@@ -236,7 +244,8 @@ class TrainingRun:
         p = self.progress
         assert p.committed_cursor is not None
         in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
-        delta = _poisoned(self.trainer.pseudo_gradient(), p.outer_step + 1)
+        fragment = self.fragments.for_round(p.outer_step)
+        delta = _poisoned(self.fragments.delta_of(self.trainer.pseudo_gradient(), fragment), p.outer_step + 1)
         return RoundStart(
             p.outer_step,
             dict(p.committed_cursor),
@@ -246,6 +255,7 @@ class TrainingRun:
             self.trainer.global_digest(),
             in_swarm,
             p.round_step,
+            fragment,
         )
 
     def apply_outer(
@@ -262,13 +272,17 @@ class TrainingRun:
         cursors of the members whose batches the step holds. Returns the new global digest (hashed
         here, off the event loop). `overlapped`: the round's start, when inner steps went on while its
         all-reduce ran (`DilocoTrainer.outer_step_overlapped`): those steps and their tokens stay in
-        the new round, and the committed cursor moves only to where the averaged round ended."""
+        the new round, and the committed cursor moves only to where the averaged round ended.
+        `averaged` covers the round's fragment (all of Δ unless --fragments), in its own coordinates."""
         assert_training_thread("an outer step")
+        p = self.progress
+        fragment = self.fragments.for_round(p.outer_step)
+        assert overlapped is None or overlapped.fragment == fragment, (overlapped, fragment)
+        averaged = self.fragments.lift(averaged, fragment)
         if overlapped is None:
             self.trainer.outer_step(averaged)
         else:
             self.trainer.outer_step_overlapped(averaged)
-        p = self.progress
         p.outer_step += 1
         p.round_step = p.round_step - overlapped.steps if overlapped is not None else 0
         if averaged.covered:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
@@ -85,6 +86,7 @@ class NodeConfig:
     reachable: str = "auto"
     group_size: int = DEFAULT_GROUP_SIZE
     overlap: str = "off"
+    fragments: int = 1
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -109,19 +111,23 @@ class NodeConfig:
     @property
     def inner_schedule(self) -> InnerSchedule:
         """The inner learning-rate schedule: a cosine ends at --total-steps, or else after
-        --max-outer-steps rounds of --inner-steps; a constant one has no end. ConfigError when a
+        --max-outer-steps rounds (`steps_in_rounds`); a constant one has no end. ConfigError when a
         cosine's end is not past its warm-up."""
         if self.lr_schedule == LrSchedule.CONSTANT:
             return InnerSchedule(LrSchedule.CONSTANT, self.inner_warmup_steps)
         total = self.total_steps
         if total is None and self.max_outer_steps is not None:
-            total = self.max_outer_steps * self.inner_steps
+            total = steps_in_rounds(self.inner_steps, self.fragments, self.max_outer_steps)
         try:
             return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
         except ValueError:
             raise ConfigError(
                 f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
             ) from None
+
+    def round_steps(self, outer_step: int) -> int:
+        """Inner steps of round `outer_step`: H, or about H/K with --fragments K (core/fragments.py)."""
+        return round_steps(self.inner_steps, self.fragments, outer_step)
 
     @property
     def advertised_host(self) -> str:
@@ -159,6 +165,8 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
+    if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
+        raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
 
 
@@ -329,7 +337,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("device", _choice(DEVICES), "where to train; auto picks cuda when available", choices=DEVICES),
     Flag("threads", _positive_int, "CPU threads for torch (default: torch's own choice)"),
-    Flag("inner_steps", _positive_int, "H: the most inner AdamW steps per round"),
+    Flag(
+        "inner_steps",
+        _positive_int,
+        "H: the most inner AdamW steps per round (with --fragments K: per fragment; a round is H/K)",
+    ),
     Flag(
         "inner_seconds",
         _positive_float,
@@ -347,7 +359,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "total_steps",
         _positive_int,
-        "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps; "
+        "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps / --fragments; "
         "must agree across the run)",
     ),
     Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
@@ -448,6 +460,13 @@ FLAGS: tuple[Flag, ...] = (
         "on: a round's all-reduce runs while the next inner phase trains, its outer step applied when "
         "it arrives (README: overlapped outer step)",
         choices=OVERLAP_CHOICES,
+    ),
+    Flag(
+        "fragments",
+        _positive_int,
+        "K: Δ cut into K equal flat ranges synchronised in turn, one per round of H/K inner steps (rounded "
+        "down or up in turn when K does not divide H), so each all-reduce sends 1/K of Δ (README: "
+        "fragments); at most --inner-steps; must agree across the run",
     ),
     Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
     Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),

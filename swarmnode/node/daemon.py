@@ -82,6 +82,7 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
         schedule=cfg.inner_schedule,
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
+        fragments=cfg.fragments,
     )
     corpus_digest = checked.corpus.digest
     digest = run_digest(
@@ -299,9 +300,11 @@ class Node:
             if await self._catch_up(last):
                 await self._rejoin_phase()
             else:
-                if self.run_state.sample.round_step < self.cfg.inner_steps:
+                if self.run_state.sample.round_step < self.round_steps():
                     self.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
-                await self.training.run(self._inner_phase, (self._stop,), self.round_deadline())
+                await self.training.run(
+                    self._inner_phase, (self._stop,), self.round_deadline(), self.round_steps()
+                )
             if self._stop.is_set():
                 break
             self.board.phase = Phase.OUTER
@@ -329,17 +332,22 @@ class Node:
         """The --inner-seconds time box of a round's inner phase starting now (taken once per round)."""
         return time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
 
+    def round_steps(self) -> int:
+        """Inner steps of the round now training (--fragments: they vary by round, see
+        core/fragments.py): the round after the one in flight (--overlap), else this outer step's."""
+        return self.cfg.round_steps(self.run_state.sample.outer_step + int(self.round_in_flight))
+
     @property
     def round_in_flight(self) -> bool:
         """--overlap on: a round's all-reduce runs beside the inner phase."""
         return self.overlapped is not None and self.overlapped.pending is not None
 
     def _inner_phase(
-        self, stops: tuple[threading.Event, ...], deadline: float | None, counted_steps: int = 0
+        self, stops: tuple[threading.Event, ...], deadline: float | None, max_steps: int
     ) -> None:
-        """Until any of `stops` is set; `counted_steps`: steps of a round in flight that still count in
-        the round (--overlap)."""
-        max_steps = self.cfg.inner_steps + counted_steps
+        """Until the round has `max_steps` inner steps (taken on the event loop: `round_steps`, plus
+        with --overlap the steps of the round in flight, which still count in the round) or any of
+        `stops` is set."""
         self.run_state.inner_phase(max_steps, deadline, stops, self._after_inner_step)
 
     async def _rejoin_phase(self) -> None:
@@ -360,7 +368,9 @@ class Node:
 
         watcher = asyncio.create_task(watch(), name="rejoin-watch")
         try:
-            await self.training.run(self._inner_phase, (self._stop, closing), self.round_deadline())
+            await self.training.run(
+                self._inner_phase, (self._stop, closing), self.round_deadline(), self.round_steps()
+            )
         finally:
             closing.set()
             await settle(watcher)
@@ -534,6 +544,4 @@ class Node:
 
     def progress_sample(self) -> ProgressSample:
         created = self.parts.checkpointer.newest_created_at()
-        return self.board.progress(
-            self.run_state.sample, self.cfg.inner_steps, self.dht.peer_count(), created
-        )
+        return self.board.progress(self.run_state.sample, self.round_steps(), self.dht.peer_count(), created)

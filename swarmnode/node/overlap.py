@@ -24,6 +24,8 @@ inner phase goes on to its H steps. Invariants:
 - SIGTERM lets the round in flight finish (within --allreduce-timeout) before the final snapshot.
 A landed round that says this node is behind or astray stops the inner phase: the catch-up runs
 before any further step (the overlap's steps are then trained again from the adopted state).
+With --fragments the round in flight is one fragment's (core/fragments.py): its all-reduce has the
+next fragment round's H/K steps to land in, and the merge above applies on that fragment's range only.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class OverlappedRounds:
                 if self.pending is None and await node._catch_up(self.last):
                     await node._rejoin_phase()
                 else:
-                    if node.run_state.sample.round_step < node.cfg.inner_steps + self.pending_steps:
+                    if node.run_state.sample.round_step < node.round_steps() + self.pending_steps:
                         node.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
                     await self._train()
                 if node._stop.is_set():
@@ -100,7 +102,10 @@ class OverlappedRounds:
             if self.pending is not None:
                 self.pending.add_done_callback(_setter(interrupt))
             await node.training.run(
-                node._inner_phase, (node._stop, interrupt), self.deadline, self.pending_steps
+                node._inner_phase,
+                (node._stop, interrupt),
+                self.deadline,
+                node.round_steps() + self.pending_steps,
             )
             if self.pending is None or not self.pending.done() or node._stop.is_set():
                 return

@@ -3,8 +3,11 @@
 The training thread only copies the state into reused staging buffers (`copy_` into preallocated memory,
 pinned and on a side stream on CUDA); compression, hashing and writing happen on one background writer
 thread. At most one write is in flight: a hot snapshot that falls due meanwhile is skipped and counted,
-never waited for; a cold one waits (that wait is the stall it reports). A full disk or an unwritable
-directory is logged once, counted, and training goes on with the snapshots it has.
+never waited for; a cold one waits (that wait is the stall it reports). The writer's threads run
+idle-only (SCHED_IDLE: `util/background.py`) so that they take no cycle training wants; a write still
+in flight when the next snapshot falls due, that someone waits for, or that has run idle-only for twice
+the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot starve it. A full disk
+or an unwritable directory is logged once, counted, and training goes on with the snapshots it has.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from swarmnode.snapshot.format import (
     SnapshotInfo,
     SnapshotMismatch,
     iter_snapshot_files,
-    lower_thread_priority,
     parse_snapshot_name,
     sha256_file,
 )
@@ -38,10 +40,14 @@ from swarmnode.snapshot.read import check_template, read_header
 from swarmnode.snapshot.tensors import TensorTemplate, tensor_bytes
 from swarmnode.snapshot.write import write_snapshot
 from swarmnode.util import faults
+from swarmnode.util.background import BackgroundPriority
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import assert_training_thread
 
 logger = logging.getLogger(__name__)
+
+IDLE_GRACE_S = (2.0, 30.0)
+"""Bounds of the seconds a write runs idle-only before it is hurried (see `_idle_grace_s`)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,9 @@ class SpeculativeCheckpointer:
         self._writes = 0
         self._writes_by_kind: dict[str, int] = {}
         self._logged_failures: set[str] = set()
+        self.priority = BackgroundPriority()
+        """The writer's and its compressing threads' CPU priority (idle-only unless hurried)."""
+        self._last_write_s = 0.0
         self._thread = threading.Thread(target=self._writer_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -214,10 +223,13 @@ class SpeculativeCheckpointer:
         is in flight, a cold one waits for it (that wait is its stall). Training thread only."""
         assert_training_thread("staging a snapshot")
         started = time.perf_counter()
-        if not self._slot.acquire(blocking=kind != "hot"):
-            self.metrics.snapshots_skipped.inc()
-            logger.debug("hot snapshot at %s skipped: a write is in flight", _steps(metadata))
-            return False
+        if not self._slot.acquire(blocking=False):
+            self.priority.hurry()  # the write in flight is overdue: it must not starve
+            if kind == "hot":
+                self.metrics.snapshots_skipped.inc()
+                logger.debug("hot snapshot at %s skipped: a write is in flight", _steps(metadata))
+                return False
+            self._slot.acquire()
         try:
             staged, copied = self._staging.stage(tensors)
             self._jobs.put(_Job(kind, dict(metadata), staged, copied))
@@ -229,6 +241,10 @@ class SpeculativeCheckpointer:
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no write is in flight (shutdown, tests); False if `timeout_s` passed first."""
+        if self._slot.acquire(blocking=False):
+            self._slot.release()
+            return True
+        self.priority.hurry()  # somebody waits for it now
         if not self._slot.acquire(timeout=timeout_s):
             return False
         self._slot.release()
@@ -238,18 +254,30 @@ class SpeculativeCheckpointer:
         self.wait_idle(timeout_s)
         self._jobs.put(None)
         self._thread.join(timeout_s)
+        self.priority.close()
 
     # ----- the writer thread -----
 
     def _writer_loop(self) -> None:
-        lower_thread_priority()
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._write(job)
-            except Exception:  # a bug must not kill the writer and wedge every later cold snapshot
-                logger.exception("snapshot writer failed unexpectedly")
-            finally:
-                self._slot.release()  # the write is over: the staging buffers are free again
+        tid = self.priority.enter()
+        try:
+            while (job := self._jobs.get()) is not None:
+                self.priority.relax(self._idle_grace_s())  # idle-only again, for a while at most
+                try:
+                    self._write(job)
+                except Exception:  # a bug must not kill the writer and wedge every later cold snapshot
+                    logger.exception("snapshot writer failed unexpectedly")
+                finally:
+                    self.priority.finished()
+                    self._slot.release()  # the write is over: the staging buffers are free again
+        finally:
+            self.priority.leave(tid)
+
+    def _idle_grace_s(self) -> float:
+        """How long a write may run idle-only before the watchdog hurries it: twice the last one's
+        time (a bigger state or a slower disk takes longer), within IDLE_GRACE_S."""
+        low, high = IDLE_GRACE_S
+        return min(max(2.0 * self._last_write_s, low), high)
 
     def _write(self, job: _Job) -> None:
         if job.copied is not None:
@@ -276,11 +304,13 @@ class SpeculativeCheckpointer:
                 threads=self.cfg.zstd_threads,
                 fsync=job.kind == "cold",
                 on_halfway=halfway,
+                priority=self.priority,
             )
         except OSError as exc:
             self._record_failure(exc)
             return
         seconds = time.perf_counter() - started
+        self._last_write_s = seconds
         self._record_success(info, raw_bytes, seconds)
         kept = self._apply_retention()
         if self.on_written is not None and info in kept:  # never announce a file retention just removed

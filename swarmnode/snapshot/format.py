@@ -23,12 +23,9 @@ header and info types (the `swarmnode status`/`fetch` client imports it). The te
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import os
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,13 +149,3 @@ def sha256_file(path: Path) -> str:
         while block := f.read(CHUNK_BYTES):
             digest.update(block)
     return digest.hexdigest()
-
-
-BACKGROUND_NICENESS = 10
-
-
-def lower_thread_priority() -> None:
-    """Make the calling thread yield the CPU to training (Linux schedules threads by their own nice
-    value): snapshot writes are background work on a volunteer's few cores."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux or not permitted: normal priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)

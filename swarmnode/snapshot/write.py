@@ -30,11 +30,11 @@ from swarmnode.snapshot.format import (
     ITEMSIZE,
     SUFFIX,
     SnapshotInfo,
-    lower_thread_priority,
     snapshot_file_name,
 )
 from swarmnode.snapshot.tensors import DTYPES, tensor_bytes
 from swarmnode.util import clock
+from swarmnode.util.background import BackgroundPriority
 
 MAX_PENDING_FRAMES = 4
 """Planes compressed ahead of the one being written (bounds the memory a write takes)."""
@@ -59,14 +59,18 @@ class _HashingSink:
 class _FrameWriter:
     """zstd output made of frames. Small data goes into a running (streamed) frame; a large byte plane
     becomes a frame of its own, compressed on a pool of `workers` threads while this thread hashes and
-    writes finished frames in order — so compression, hashing and writing overlap."""
+    writes finished frames in order — so compression, hashing and writing overlap. The pool's threads
+    run at `priority` (None: the caller's)."""
 
-    def __init__(self, sink: _HashingSink, level: int, workers: int) -> None:
-        self._level, self._sink = level, sink
+    def __init__(
+        self, sink: _HashingSink, level: int, workers: int, priority: BackgroundPriority | None
+    ) -> None:
+        self._level, self._sink, self._priority = level, sink, priority
         self._compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
         self._local = threading.local()  # a ZstdCompressor is not safe to share between threads
+        self._pool_threads: list[int] = []
         self._pool = ThreadPoolExecutor(
-            max(workers, 1), thread_name_prefix="zstd", initializer=lower_thread_priority
+            max(workers, 1), thread_name_prefix="zstd", initializer=self._join_priority
         )
         self._pending: deque[Future[bytes]] = deque()
         self._frame: Any = None
@@ -85,6 +89,10 @@ class _FrameWriter:
         self._pending.append(self._pool.submit(self._compress, data))
         self.raw_bytes += data.nbytes
         self._drain(MAX_PENDING_FRAMES)
+
+    def _join_priority(self) -> None:
+        if self._priority is not None:
+            self._pool_threads.append(self._priority.enter())
 
     def _compress(self, data: np.ndarray) -> bytes:
         compressor = getattr(self._local, "compressor", None)
@@ -109,6 +117,9 @@ class _FrameWriter:
             self._drain(0)
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._priority is not None:
+                for tid in self._pool_threads:
+                    self._priority.leave(tid)
 
 
 def build_header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, Any], layout: str) -> bytes:
@@ -175,13 +186,15 @@ def write_snapshot(
     threads: int = 1,
     fsync: bool = False,
     on_halfway: Callable[[], None] | None = None,
+    priority: BackgroundPriority | None = None,
 ) -> tuple[SnapshotInfo, int]:
     """Write CPU tensors + metadata as a snapshot in `directory`; returns its info and raw byte count.
 
     `metadata` must hold outer_step, inner_step, run_id and node_id. `threads`: large byte planes are
     compressed as independent frames on this many threads while the calling thread hashes and writes
     (one is fastest on 2 cores: 650-720 MB/s vs 560-600 with two). `on_halfway` is called once about
-    half-way through the tensor data (a fault-injection point for tests).
+    half-way through the tensor data (a fault-injection point for tests). `priority`: the compressing
+    threads' (the checkpointer's background priority; None: the caller's).
     """
     metadata = dict(metadata, kind=kind, layout=layout, created_at=metadata.get("created_at", clock.now()))
     directory.mkdir(parents=True, exist_ok=True)
@@ -189,7 +202,7 @@ def write_snapshot(
     try:
         with tmp.open("wb") as raw:
             sink = _HashingSink(raw)
-            raw_bytes = _write_stream(sink, tensors, metadata, layout, level, threads, on_halfway)
+            raw_bytes = _write_stream(sink, tensors, metadata, layout, level, threads, on_halfway, priority)
             raw.flush()
             if fsync:
                 os.fsync(raw.fileno())
@@ -227,8 +240,9 @@ def _write_stream(
     level: int,
     threads: int,
     on_halfway: Callable[[], None] | None,
+    priority: BackgroundPriority | None,
 ) -> int:
-    out = _FrameWriter(sink, level, threads)
+    out = _FrameWriter(sink, level, threads, priority)
     try:
         out.write(build_header(tensors, metadata, layout))
         total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -97,6 +97,39 @@ def test_killed_run_continues_bit_identically(
         assert resumed["inner_step"] <= 17
 
 
+# The same 36 inner steps in rounds of 4, each averaging (alone) one of 3 fragments: the schedule's place
+# (which fragment, how far into its round) must resume exactly too.
+_ROUNDS_AT = RUN_ARGS.index("--max-outer-steps") + 1
+FRAGMENT_ARGS = (*RUN_ARGS[:_ROUNDS_AT], "9", *RUN_ARGS[_ROUNDS_AT + 1 :], "--fragments", "3")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fragments(tmp_path_factory, run_args) -> tuple[dict[str, torch.Tensor], dict]:
+    from swarmtest import ProcessReaper
+
+    reaper = ProcessReaper()
+    try:
+        data_dir = tmp_path_factory.mktemp("straight-fragments")
+        node = reaper.node(data_dir, (*FRAGMENT_ARGS, *run_args[len(RUN_ARGS) :])).start()
+        assert node.wait(180) == 0, node.log()
+        return final_state(data_dir)
+    finally:
+        reaper.kill_all()
+
+
+def test_killed_fragmented_run_continues_bit_identically(
+    tmp_path: Path, reaper, uninterrupted_fragments, run_args
+) -> None:
+    args = (*FRAGMENT_ARGS, *run_args[len(RUN_ARGS) :])
+    first = reaper.node(tmp_path, args, faults="kill@inner_step#18").start()  # round 4: fragment 1
+    assert first.wait(180) == -signal.SIGKILL, first.log()
+    second = reaper.node(tmp_path, args).start()
+    assert second.wait(180) == 0, second.log()
+    assert_same_run(final_state(tmp_path), uninterrupted_fragments)
+    assert uninterrupted_fragments[1]["outer_step"] == 9 and uninterrupted_fragments[1]["inner_step"] == 36
+    assert [r["source"] for r in read_receipts(tmp_path)][-1] == "local"
+
+
 def test_corrupt_newest_snapshot_falls_back_to_the_previous(
     tmp_path: Path, reaper, uninterrupted, run_args
 ) -> None:

@@ -68,6 +68,8 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--reachable", "maybe"],
         ["--recovery-peers", "0"],
         ["--recovery-peers", "17"],
+        ["--fragments", "0"],
+        ["--inner-steps", "4", "--fragments", "5"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
@@ -88,6 +90,17 @@ def test_recovery_peers_has_an_environment_twin() -> None:
     assert parse(["--recovery-peers", "5"], {}).recovery_peers == 5
     with pytest.raises(ConfigError, match="SWARMNODE_RECOVERY_PEERS: must be in 1..16"):
         parse([], {"SWARMNODE_RECOVERY_PEERS": "0"})
+
+
+def test_fragments_cut_each_h_steps_into_k_rounds_from_flag_or_env() -> None:
+    cfg = parse(
+        ["--inner-steps", "50", "--max-outer-steps", "8", "--lr-schedule", "cosine"],
+        {"SWARMNODE_FRAGMENTS": "4"},
+    )
+    assert cfg.fragments == 4
+    assert [cfg.round_steps(r) for r in range(8)] == [12, 13, 12, 13] * 2  # K rounds make H steps
+    assert cfg.inner_schedule.total_steps == 100  # the cosine ends with the 8th fragment round
+    assert [parse(["--inner-steps", "50"]).round_steps(r) for r in range(3)] == [50, 50, 50]
 
 
 def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:

@@ -127,3 +127,12 @@ def test_swarm_report_finds_the_worst_node_round_and_partial_groups() -> None:
     assert figures["swarm: rounds every node averaged with all"] == 1
     assert figures["swarm vs simulation: worst |ratio − 1|"] == pytest.approx(0.01)
     assert result.ratios[0].value == pytest.approx(1.0)
+
+
+def test_the_fragments_variant_measures_after_every_h_steps_at_equal_tokens() -> None:
+    job = SideJob(Side.FRAGMENTS, "tiny", 2, 6, 2, 2e-3)  # H = 6 in rounds of 1 or 2 steps (K = 4)
+    curve = quality.train_side(job)
+    blocking = quality.train_side(SideJob(Side.DILOCO, "tiny", 2, 6, 2, 2e-3))
+    assert len(curve.losses) == len(blocking.losses) == 3 and curve.tokens == blocking.tokens
+    assert curve.losses[0] == blocking.losses[0] and curve.losses[-1] != blocking.losses[-1]
+    assert curve.losses[-1] < curve.losses[0]
