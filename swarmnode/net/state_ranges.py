@@ -6,6 +6,12 @@ bounds the ranges in flight (`MAX_RANGES_IN_FLIGHT` over all callers, `MAX_RANGE
 host or certificate node id) and answers RESOURCE_EXHAUSTED beyond; the server's guard (swarm token,
 mutual TLS) covers these calls as it covers FetchSnapshot.
 
+A manifest is signed by the serving node's identity key (`RangeManifest.signed`): the roots of both
+blobs, the snapshot id, the step and the metadata's hash. A reader takes a manifest only from the node
+its announcement names (`RangeManifest.signed_by`), so the node part and metadata, which no other peer
+vouches for, are bound to that node's identity as a whole snapshot is bound to its signed id, and
+nobody on the path can swap them.
+
 The client returns typed values and raises `PeerUnavailable` with a reason for anything a peer did:
 an unreachable or refusing peer, a malformed manifest, a range of the wrong size. Whether a range's
 bytes are right is the caller's check (`RangeList.check`), as is which root to trust.
@@ -13,15 +19,17 @@ bytes are right is the caller's check (`RangeList.check`), as is which root to t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
 
 from swarmnode.net import rpc
+from swarmnode.net.identity import Identity, node_id_from_public_key, verify_signature
 from swarmnode.net.snapshot_server import peer_key
 from swarmnode.proto.v1 import ranges_pb2 as pb
 from swarmnode.proto.v1 import ranges_pb2_grpc as pb_grpc
@@ -35,6 +43,7 @@ MAX_RANGES_IN_FLIGHT = 8
 MAX_RANGES_PER_HOST = 4
 """A recovering node asks each peer for a few ranges at once (range_fetch.STREAMS_PER_PEER)."""
 MAX_METADATA_CHARS = 1 << 20
+MANIFEST_DOMAIN = b"swarmnode-range-manifest\x00"
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,24 @@ class RangeManifest:
     shared: RangeList
     node: RangeList
     metadata_json: str
+    public_key: bytes = b""
+    """The signer's raw Ed25519 public key (empty: unsigned)."""
+    signature: bytes = b""
+
+    def message(self) -> bytes:
+        """What the serving node signs: everything a reader takes from this manifest."""
+        metadata = hashlib.sha256(self.metadata_json.encode()).hexdigest()
+        fields = (str(self.outer_step), self.snapshot_id, self.shared.root, self.node.root, metadata)
+        return MANIFEST_DOMAIN + "\x00".join(fields).encode()
+
+    def signed(self, identity: Identity) -> RangeManifest:
+        return replace(self, public_key=identity.public_key, signature=identity.sign(self.message()))
+
+    def signed_by(self, node_id_hex: str) -> bool:
+        """Whether the node `node_id_hex` (the one whose announcement led here) signed this manifest."""
+        if node_id_from_public_key(self.public_key).hex() != node_id_hex:
+            return False
+        return verify_signature(self.public_key, self.signature, self.message())
 
     def to_pb(self) -> pb.RangeManifest:
         return pb.RangeManifest(
@@ -55,6 +82,8 @@ class RangeManifest:
             shared=_list_to_pb(self.shared),
             node=_list_to_pb(self.node),
             metadata_json=self.metadata_json,
+            public_key=self.public_key,
+            signature=self.signature,
         )
 
     @classmethod
@@ -70,6 +99,8 @@ class RangeManifest:
             _list_from_pb(msg.shared),
             _list_from_pb(msg.node),
             msg.metadata_json,
+            msg.public_key,
+            msg.signature,
         )
 
 
@@ -103,11 +134,14 @@ class StateRangeServicer:
     def __init__(
         self,
         provider: RangeProvider,
+        identity: Identity | None,
         on_served: Callable[[int], None] | None = None,
         range_filter: RangeFilter | None = None,
     ) -> None:
-        """`on_served(nbytes)` counts each range served."""
-        self._provider, self._on_served, self._filter = provider, on_served, range_filter
+        """`identity` signs the manifests (None: unsigned, which a reader refuses; tests of the
+        service alone); `on_served(nbytes)` counts each range served."""
+        self._provider, self._identity = provider, identity
+        self._on_served, self._filter = on_served, range_filter
         self._in_flight = 0
         self._per_host: Counter[str] = Counter()
 
@@ -120,6 +154,8 @@ class StateRangeServicer:
         if manifest is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot at outer step {request.outer_step}")
         assert manifest is not None
+        if self._identity is not None:
+            manifest = manifest.signed(self._identity)
         return manifest.to_pb()
 
     async def FetchRange(self, request: pb.FetchRangeRequest, context: Any) -> pb.FetchRangeReply:

@@ -135,7 +135,8 @@ async def start_services(
     def status_now() -> rpc.NodeStatus:
         return status(dht.peer_count())
 
-    servicers = (averaging.register, dial_back.register, _range_servicer(checkpointer, metrics).register)
+    ranges = _range_servicer(checkpointer, metrics, identity)
+    servicers = (averaging.register, dial_back.register, ranges.register)
     ports.grpc = await _start_rpc(stack, cfg, checkpointer, metrics, security, servicers, status_now)
     await _start_dht(stack, dht, cfg, metrics)
     ports.dht = dht.port
@@ -154,12 +155,15 @@ async def start_services(
     return Services(ports, address, dht, rounds, channels, reachability)
 
 
-def _range_servicer(checkpointer: SpeculativeCheckpointer, metrics: Metrics) -> StateRangeServicer:
-    """The node's snapshots served as state ranges (README "Recovery from many peers")."""
+def _range_servicer(
+    checkpointer: SpeculativeCheckpointer, metrics: Metrics, identity: Identity
+) -> StateRangeServicer:
+    """The node's snapshots served as state ranges, the manifests signed by its identity (README
+    "Recovery from many peers")."""
     assert checkpointer.owner is not None
     source = SnapshotRanges(checkpointer.list_snapshots, checkpointer.owner.template)
     return StateRangeServicer(
-        source, on_served=lambda nbytes: metrics.ranges_served.inc(), range_filter=range_faults()
+        source, identity, on_served=lambda nbytes: metrics.ranges_served.inc(), range_filter=range_faults()
     )
 
 

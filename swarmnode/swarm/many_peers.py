@@ -1,7 +1,8 @@
 """Recovery's fetch from many peers at once (README "Recovery from many peers").
 
 Given the peers that announced snapshots at one outer step, it asks up to `2K` of them for their range
-manifests (snapshot/ranges.py, net/state_ranges.py) and trusts a shared-part root only when at least
+manifests (snapshot/ranges.py, net/state_ranges.py), takes each only when signed by the node whose
+signed announcement led to it, and trusts a shared-part root only when at least
 `min_agreeing` (2) peers hand in range lists that hash to it — a root is recomputed here, never read from
 the wire — and when their totals fit this node's own model. Up to K of the agreeing peers serve the
 shared ranges (θ_g and outer momentum) in parallel, a bad one's ranges re-fetched from the others
@@ -191,6 +192,10 @@ class ManyPeerFetch:
             manifest = await state_ranges.get_range_manifest(
                 peer.address, outer_step, MANIFEST_TIMEOUT_S, self._channels
             )
+            if not manifest.signed_by(peer.node_id):
+                raise ManyPeersUnavailable(
+                    FetchFailure.INVALID, f"{peer.address}: manifest not signed by node {peer.node_id[:12]}"
+                )
             self._check_sizes(manifest, outer_step)
         except PeerFault as exc:
             logger.info("no range manifest from %s: %s", peer.address, exc)

@@ -11,6 +11,7 @@ import pytest
 
 from swarmnode.bench.runner import trained_run
 from swarmnode.net import rpc, snapshot_server, state_ranges
+from swarmnode.net.identity import Identity
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.snapshot.ranges import RAW, EncodedRange, decode_range, shared_layout
 from swarmnode.snapshot.write import write_snapshot
@@ -48,17 +49,20 @@ def test_a_snapshot_is_served_as_ranges_that_verify_and_join_to_its_shared_state
         info, _ = write_snapshot(Path(tmp), tensors, run.state_metadata(), kind="cold")
         expected = b"".join(tensors[name].numpy().tobytes() for name, _ in shared_layout(template).tensors)
 
+        server_identity = Identity.generate()
+
         async def scenario() -> None:
             catalog = Catalog([info])
-            server = await serve(
-                catalog, state_ranges.StateRangeServicer(SnapshotRanges(lambda: catalog.infos, template))
-            )
+            provider = SnapshotRanges(lambda: catalog.infos, template)
+            server = await serve(catalog, state_ranges.StateRangeServicer(provider, server_identity))
             address = f"{LOCALHOST}:{server.port}"
             try:
                 manifest = await state_ranges.get_range_manifest(address, info.outer_step, 30)
                 assert manifest.snapshot_id == info.snapshot_id and manifest.shared.total_bytes == len(
                     expected
                 )
+                assert manifest.signed_by(server_identity.node_id_hex)  # signed as it crossed gRPC
+                assert not manifest.signed_by(Identity.generate().node_id_hex)
                 pieces = []
                 for i in range(len(manifest.shared)):
                     encoding, sent = await state_ranges.fetch_range(address, manifest.shared.root, i, 10)
@@ -98,7 +102,7 @@ class HeldProvider:
 def test_one_host_gets_at_most_max_ranges_per_host_in_flight() -> None:
     async def scenario() -> None:
         provider = HeldProvider()
-        server = await serve(Catalog([]), state_ranges.StateRangeServicer(provider))
+        server = await serve(Catalog([]), state_ranges.StateRangeServicer(provider, None))
         address = f"{LOCALHOST}:{server.port}"
         channels = rpc.ChannelCache()
         try:

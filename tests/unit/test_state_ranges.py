@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
+from swarmnode.net.identity import Identity
 from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.ranges import (
     MAX_RANGE_BYTES,
@@ -217,16 +219,22 @@ TEMPLATE = {
 }
 
 
-def manifest_of(shared: bytes) -> RangeManifest:
+PEERS = [Identity.generate() for _ in range(5)]
+"""Peer i's identity: its announcement's node id derives from it and it signs its manifests."""
+
+
+def manifest_of(shared: bytes, signer: int | None = None) -> RangeManifest:
+    """A manifest with this shared part (signed by peer `signer`'s identity; None: unsigned)."""
     node = RangeList.of(os.urandom(2 * RANGE), RANGE)
-    return RangeManifest(2, "c" * 64, RangeList.of(shared, RANGE), node, "{}")
+    manifest = RangeManifest(2, "c" * 64, RangeList.of(shared, RANGE), node, "{}")
+    return manifest if signer is None else manifest.signed(PEERS[signer])
 
 
 def test_the_root_most_peers_hand_in_is_trusted_and_a_silent_peer_is_not_waited_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     honest, lie = os.urandom(2 * RANGE), os.urandom(2 * RANGE)
-    answers = {"a": manifest_of(honest), "b": manifest_of(honest), "c": manifest_of(lie)}
+    answers = {"a": manifest_of(honest, 1), "b": manifest_of(honest, 2), "c": manifest_of(lie, 3)}
 
     async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
         if address.startswith("10.0.0.4"):
@@ -244,7 +252,7 @@ def test_the_root_most_peers_hand_in_is_trusted_and_a_silent_peer_is_not_waited_
 
 def test_without_two_peers_agreeing_there_is_no_root(monkeypatch: pytest.MonkeyPatch) -> None:
     async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
-        return manifest_of(os.urandom(2 * RANGE))  # every peer a different state
+        return manifest_of(os.urandom(2 * RANGE), int(address[7]))  # every peer a different state
 
     monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
     peers = [announcement(i, f"10.0.0.{i}:1") for i in (1, 2, 3)]
@@ -257,7 +265,7 @@ def test_a_manifest_whose_sizes_do_not_fit_this_model_is_not_counted(monkeypatch
     shared = os.urandom(3 * RANGE)  # this model's shared part is 2 ranges
 
     async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
-        return manifest_of(shared)
+        return manifest_of(shared, int(address[7]))
 
     monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
     failures: list[str] = []
@@ -268,8 +276,30 @@ def test_a_manifest_whose_sizes_do_not_fit_this_model_is_not_counted(monkeypatch
 
 
 def announcement(index: int, address: str) -> Announcement:
-    node = f"{index:02x}" * 20
+    node = PEERS[index].node_id_hex
     return Announcement(node, address, "a" * 64, 1000, 2, 10, "cold", 1.0, "b" * 64)
+
+
+def test_a_manifest_is_taken_only_from_the_node_whose_announcement_led_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node part and metadata are one peer's word: a manifest unsigned, signed by another node
+    (one on the path, or a peer answering for another) or altered after signing is not counted."""
+    shared = os.urandom(2 * RANGE)
+    honest = manifest_of(shared, 1)
+    altered = replace(manifest_of(shared, 3), metadata_json='{"outer_step": 99}')
+    answers = {1: honest, 2: manifest_of(shared, 4), 3: altered, 4: manifest_of(shared)}
+
+    async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
+        return answers[int(address[7])]
+
+    monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
+    failures: list[str] = []
+    fetch = ManyPeerFetch(TEMPLATE, "b" * 64, max_peers=4, on_range_failure=failures.append)
+    with pytest.raises(ManyPeersUnavailable, match="agree"):  # only peer 1's counts: no two agree
+        asyncio.run(fetch._agreeing([announcement(i, f"10.0.0.{i}:1") for i in (1, 2, 3, 4)], 2))
+    assert failures == ["invalid", "invalid", "invalid"]
+    assert honest.signed_by(PEERS[1].node_id_hex) and not honest.signed_by(PEERS[2].node_id_hex)
 
 
 def test_a_blob_is_cut_into_ranges_straight_from_its_tensors() -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fswarmnode/proto/v1/ranges.proto\x12\x0cswarmnode.v1\"-\n\x17GetRangeManifestRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\"E\n\tRangeList\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0brange_bytes\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\"\x9f\x01\n\rRangeManifest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\'\n\x06shared\x18\x03 \x01(\x0b\x32\x17.swarmnode.v1.RangeList\x12%\n\x04node\x18\x04 \x01(\x0b\x32\x17.swarmnode.v1.RangeList\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\"0\n\x11\x46\x65tchRangeRequest\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"1\n\x0f\x46\x65tchRangeReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t2\xb9\x01\n\x11StateRangeService\x12V\n\x10GetRangeManifest\x12%.swarmnode.v1.GetRangeManifestRequest\x1a\x1b.swarmnode.v1.RangeManifest\x12L\n\nFetchRange\x12\x1f.swarmnode.v1.FetchRangeRequest\x1a\x1d.swarmnode.v1.FetchRangeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fswarmnode/proto/v1/ranges.proto\x12\x0cswarmnode.v1\"-\n\x17GetRangeManifestRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\"E\n\tRangeList\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0brange_bytes\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\"\xc6\x01\n\rRangeManifest\x12\x12\n\nouter_step\x18\x01 \x01(\x04\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\'\n\x06shared\x18\x03 \x01(\x0b\x32\x17.swarmnode.v1.RangeList\x12%\n\x04node\x18\x04 \x01(\x0b\x32\x17.swarmnode.v1.RangeList\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\x12\n\npublic_key\x18\x06 \x01(\x0c\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"0\n\x11\x46\x65tchRangeRequest\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"1\n\x0f\x46\x65tchRangeReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t2\xb9\x01\n\x11StateRangeService\x12V\n\x10GetRangeManifest\x12%.swarmnode.v1.GetRangeManifestRequest\x1a\x1b.swarmnode.v1.RangeManifest\x12L\n\nFetchRange\x12\x1f.swarmnode.v1.FetchRangeRequest\x1a\x1d.swarmnode.v1.FetchRangeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANGELIST']._serialized_start=96
   _globals['_RANGELIST']._serialized_end=165
   _globals['_RANGEMANIFEST']._serialized_start=168
-  _globals['_RANGEMANIFEST']._serialized_end=327
-  _globals['_FETCHRANGEREQUEST']._serialized_start=329
-  _globals['_FETCHRANGEREQUEST']._serialized_end=377
-  _globals['_FETCHRANGEREPLY']._serialized_start=379
-  _globals['_FETCHRANGEREPLY']._serialized_end=428
-  _globals['_STATERANGESERVICE']._serialized_start=431
-  _globals['_STATERANGESERVICE']._serialized_end=616
+  _globals['_RANGEMANIFEST']._serialized_end=366
+  _globals['_FETCHRANGEREQUEST']._serialized_start=368
+  _globals['_FETCHRANGEREQUEST']._serialized_end=416
+  _globals['_FETCHRANGEREPLY']._serialized_start=418
+  _globals['_FETCHRANGEREPLY']._serialized_end=467
+  _globals['_STATERANGESERVICE']._serialized_start=470
+  _globals['_STATERANGESERVICE']._serialized_end=655
 # @@protoc_insertion_point(module_scope)

@@ -22,18 +22,22 @@ class RangeList(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., range_bytes: _Optional[int] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class RangeManifest(_message.Message):
-    __slots__ = ("outer_step", "snapshot_id", "shared", "node", "metadata_json")
+    __slots__ = ("outer_step", "snapshot_id", "shared", "node", "metadata_json", "public_key", "signature")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     snapshot_id: str
     shared: RangeList
     node: RangeList
     metadata_json: str
-    def __init__(self, outer_step: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., shared: _Optional[_Union[RangeList, _Mapping]] = ..., node: _Optional[_Union[RangeList, _Mapping]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    def __init__(self, outer_step: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., shared: _Optional[_Union[RangeList, _Mapping]] = ..., node: _Optional[_Union[RangeList, _Mapping]] = ..., metadata_json: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class FetchRangeRequest(_message.Message):
     __slots__ = ("root", "index")
