@@ -15,14 +15,19 @@ steps. Each node window is compared with the bare window beside it, and the rati
 pairs: a window that met a burst of other load moves one pair, not the figure. On this 2-core machine,
 otherwise idle, single 50-step windows of `small` vary by ±15% (six pairs of one run: node / bare 0.73 to
 1.15), so the best of two windows each, as this bench used to compare, put the node 3.5% above the loop it
-wraps in one run of two. Twelve pairs (600 steps, the default) steady the median, yet two runs here
-still came 9% apart (0.912, 0.998: the machine's own speed moved 20% between them; README).
+wraps in one run of two. Twelve pairs (600 steps, the default) steady the median. Before each bare
+window, with the node stopped, the bench flushes the page cache (`os.sync()`, timed in neither
+window): a node's snapshot leaves its size in dirty pages that the kernel writes back some seconds
+later, with the discard of the blocks retention freed, and unflushed that work landed in the bare
+window (node / bare 1.071 and 1.088 in two runs here once the writer ran idle-only; README). The
+writeback's own kernel CPU (~0.1 s per 145 MB snapshot here) is thus charged to neither side.
 The best windows' ratio is printed beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -105,6 +110,10 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
             for k in range(2, windows + 2):
                 node.signal(signal.SIGSTOP)
                 stopped = time.time()
+                # The node's snapshot left ~its size in dirty pages, and the kernel writes them back
+                # (and discards the blocks retention freed) some seconds later: in the bare window
+                # unless flushed here, where neither window is timed.
+                os.sync()
                 bare_rates.append(window / float(worker.ask({"steps": window}, TIMEOUT_S)["seconds"]))
                 node.signal(signal.SIGCONT)
                 paused = time.time() - stopped
