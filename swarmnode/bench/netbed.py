@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from swarmnode.util.errors import ConfigError
+
 TOOLS = ("ip", "tc", "iptables")
 _NAME = re.compile(r"^sn(\d+)[a-z]\d+[a-z]?$")  # interfaces: sn<pid><kind><index>[side]
 _NETNS = re.compile(r"^sn(\d+)-")  # namespaces: sn<pid>-<name>
@@ -56,6 +58,16 @@ def unavailable() -> str | None:
         return "network namespaces need root"
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     return f"missing {', '.join(missing)}" if missing else None
+
+
+def require_bed(bench: str, mbit: float) -> None:
+    """A capped-bed bench's preconditions as one-line usage errors: a positive `--mbit`, and a machine
+    where the bed can be built."""
+    if not mbit > 0:
+        raise ConfigError(f"--mbit: must be positive, got {mbit}")
+    reason = unavailable()
+    if reason is not None:
+        raise ConfigError(f"{bench} builds network namespaces: {reason} (run it as root)")
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -52,11 +52,7 @@ class Recovery:
 def bench_recovery_peers(preset_name: str, peers: int, mbit: float) -> BenchResult:
     if peers < 2:
         raise ConfigError(f"--peers: recovery from many peers needs at least 2, got {peers}")
-    if not mbit > 0:
-        raise ConfigError(f"--mbit: must be positive, got {mbit}")
-    reason = netbed.unavailable()
-    if reason is not None:
-        raise ConfigError(f"bench recovery --peers builds network namespaces: {reason} (run it as root)")
+    netbed.require_bed("bench recovery --peers", mbit)
     one, many = _measure(preset_name, peers, mbit)
     result = BenchResult("recovery", preset_name)
     result.add("sources × link cap", peers, "nodes", f"{mbit:g} Mbit/s each way per source (tc tbf)")

@@ -74,11 +74,7 @@ def bench_wan(
 ) -> BenchResult:
     if nodes < 2:
         raise ConfigError(f"--nodes: bench wan needs at least 2 nodes, got {nodes}")
-    if not mbit > 0:
-        raise ConfigError(f"--mbit: must be positive, got {mbit}")
-    reason = netbed.unavailable()
-    if reason is not None:
-        raise ConfigError(f"bench wan builds network namespaces: {reason} (run it as root)")
+    netbed.require_bed("bench wan", mbit)
     steps = inner_steps or DEFAULT_INNER_STEPS.get(preset_name, 30)
     n_values = _parameters(preset_name)
     delta_bytes = codecs.encoded_size(WIRE, n_values)
