@@ -6,7 +6,13 @@ caller gives, and calls `GetStatus` there: the caller is reachable when a node a
 it claimed. So the probe can make a node dial only the very host that asked (at worst another port of
 it), and only within bounds: `DIAL_BACK_BURST` probes per caller host, refilled one per
 `DIAL_BACK_REFILL_S`, and `MAX_DIALS_IN_FLIGHT` dials at once; beyond either the call ends
-RESOURCE_EXHAUSTED without dialling. Every dial takes at most `DIAL_TIMEOUT_S`.
+RESOURCE_EXHAUSTED without dialling. Every dial takes at most `DIAL_TIMEOUT_S`, and is over before the
+prober answers: the prober opens the TCP connection itself first (`connect_once`, whose socket is closed
+when it gives up) and asks `GetStatus` only of a caller that accepted it. A gRPC channel cannot end a dial:
+closing it leaves its connection attempt running until gRPC's own connect timeout (5 s here,
+`grpc.min_reconnect_backoff_ms`), so a caller behind NAT went on receiving the prober's SYN retries (one a
+second on Linux, `net.ipv4.tcp_syn_linear_timeouts`) after it had been told "could not", and its router
+counted them as dials of a client (tests/chaos/test_behind_nat.py).
 
 Failure semantics: the server's dial failing is an answer (`reachable` false, with the reason), not an
 error; the caller's side (`ask_dial_back`) returns None when the prober did not answer at all, so the
@@ -15,6 +21,8 @@ caller can tell "nobody could reach me" from "nobody told me".
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,17 +101,27 @@ class DialBackServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs; ask later")
         self._in_flight += 1
         try:
-            reason = await self._dial(dial_target(host, request.port), request.node_id)
+            reason = await self._dial(host, request.port, request.node_id)
         finally:
             self._in_flight -= 1
         self._count(ProbeResult.UNREACHABLE if reason else ProbeResult.REACHABLE)
         return pb.DialBackReply(reachable=not reason, observed_host=host, reason=reason)
 
-    async def _dial(self, target: str, node_id: str) -> str:
-        """Why `target` is not the node `node_id` ("" when it answered as that node). A fresh channel,
-        never a cached one: the probe must open a new connection, as any peer would."""
+    async def _dial(self, host: str, port: int, node_id: str) -> str:
+        """Why HOST:PORT is not the node `node_id` ("" when it answered as that node). New connections,
+        never a cached channel: the probe must connect as any peer would. The TCP connection comes first
+        and is ours (`connect_once`): when it fails, nothing of this dial is still on the wire."""
+        target = dial_target(host, port)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._dial_timeout_s
         try:
-            status = await snapshot_client.get_status(target, self._dial_timeout_s)
+            await connect_once(host, port, self._dial_timeout_s)
+        except TimeoutError:
+            return f"no answer at {target}: no connection within {self._dial_timeout_s:g} s"
+        except OSError as exc:
+            return f"no answer at {target}: {exc.strerror or exc}"
+        try:  # it accepted a connection: gRPC's own connects at once
+            status = await snapshot_client.get_status(target, max(deadline - loop.time(), 0.001))
         except (rpc.PeerUnavailable, ValueError) as exc:
             return f"no answer at {target}: {exc}"
         if status.node_id != node_id:
@@ -113,6 +131,17 @@ class DialBackServicer:
     def _count(self, result: ProbeResult) -> None:
         if self._on_dial is not None:
             self._on_dial(result)
+
+
+async def connect_once(host: str, port: int, timeout_s: float) -> None:
+    """Opens a TCP connection to HOST:PORT and closes it again; TimeoutError when none was made within
+    `timeout_s`, OSError when it was refused or unroutable. Its socket is closed before it returns or
+    raises (a timeout cancels the connect, which closes the socket): no SYN of it is sent afterwards."""
+    async with asyncio.timeout(timeout_s):  # the connect's cancellation closes its socket
+        _, writer = await asyncio.open_connection(host, port)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
 
 
 async def ask_dial_back(

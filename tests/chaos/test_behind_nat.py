@@ -89,7 +89,9 @@ def metrics_inside(ns: Namespace, node: NodeProcess) -> str:
 
 def wait_for_client_mode(laptop: Namespace, client: NodeProcess, router: Router) -> None:
     """The client's probe found it unreachable: the prober's dial-back was refused at the router (the
-    fault fired); then the router's count starts from 0, so any later dial to the client is one too many."""
+    fault fired); then the router's count starts from 0, so any later dial to the client is one too many.
+    A prober's dial is over when it answers (`dial_back.connect_once`): none of its SYN retries can reach
+    the router after the client counted the answer."""
     metrics = wait_for(
         lambda: (
             (m := metrics_inside(laptop, client))
