@@ -151,6 +151,8 @@ class RangeFetcher:
         if pinned is not None or usable:
             return pinned or usable[0]
         for key, copies in self._in_flight.items():  # the end game
+            if key in self._done:  # won already: its other copy is being cancelled, not still needed
+                continue
             job = self._jobs[key]
             if job.pinned is None and peer not in copies and len(copies) < 2 and self._may_serve(peer, job):
                 return job

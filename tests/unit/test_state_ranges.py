@@ -178,6 +178,25 @@ def test_the_work_of_a_peer_that_dies_is_reassigned() -> None:
     assert report.ranges_per_peer["b"] >= 10  # type: ignore[attr-defined]
 
 
+def test_a_range_already_won_is_never_fetched_again_while_a_pinned_part_goes_on() -> None:
+    """The end game copies a range still in flight; once one copy won, the loser being cancelled must not
+    make it look in flight to the other peers (they copied it back and forth, hundreds of times, for as
+    long as the node part kept the fetch open, filling the receiver's link with waste)."""
+    shared, shared_ranges = blob(8)
+    node, node_ranges = blob(24)
+    blobs = {shared_ranges.root: shared, node_ranges.root: node}
+    lists = {shared_ranges.root: shared_ranges, node_ranges.root: node_ranges}
+    a, b = FakePeer("a", blobs, lists, delay_s=0.001), FakePeer("b", blobs, lists, delay_s=0.001)
+    pinned = FakePeer("pinned", blobs, lists, delay_s=0.01)
+    jobs = [RangeJob(node_ranges, i, pinned="pinned") for i in range(24)]
+    jobs += [RangeJob(shared_ranges, i) for i in range(8)]
+    got, report = fetch_all([pinned, a, b], jobs)
+    assert len(got) == 32
+    # Each shared range at most twice (the end game's one copy), whatever the node part's length.
+    assert a.asked + b.asked <= 2 * 8, (a.asked, b.asked)
+    assert report.duplicates <= 4, report  # type: ignore[attr-defined]
+
+
 def test_a_pinned_range_whose_peer_lies_fails_the_fetch() -> None:
     node, ranges = blob(3)
     blobs, lists = {ranges.root: node}, {ranges.root: ranges}
