@@ -293,7 +293,7 @@ class ManyPeerFetch:
 
     def _check_global_digest(self, shared: np.ndarray, meta: SnapshotMetadata) -> None:
         global_bytes = sum(size for name, size in self._shared.tensors if name.startswith("global/"))
-        digest = hashlib.sha256(memoryview(shared)[:global_bytes]).hexdigest()
+        digest = hashlib.sha256(shared[:global_bytes].data).hexdigest()
         if digest != meta.global_digest:
             raise ManyPeersUnavailable(
                 FetchFailure.HASH_MISMATCH,
