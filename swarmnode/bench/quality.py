@@ -212,7 +212,7 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
     loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
     wire = "int4" if job.side == Side.INT4 else "fp32"
     overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side == Side.OVERLAP else 0
-    pending: tuple[AveragedDelta, list[torch.Tensor]] | None = None
+    pending: AveragedDelta | None = None
     yield trainers[0], True
     for _ in range(job.rounds):
         early = overlap if pending is not None else 0
@@ -220,23 +220,22 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
             for _ in range(early):
                 trainer.inner_step(shard_loader.next_batch())
         if pending is not None:
-            for trainer, delta in zip(trainers, pending[1], strict=True):
-                trainer.outer_step_overlapped(pending[0], delta)
+            for trainer in trainers:
+                trainer.outer_step_overlapped(pending)
             yield trainers[0], True
         for trainer, shard_loader in zip(trainers, loaders, strict=True):
             for _ in range(job.inner_steps - early):
                 trainer.inner_step(shard_loader.next_batch())
-        deltas = [t.pseudo_gradient().clone() for t in trainers]
-        averaged = group_average(deltas, wire)
+        averaged = group_average([t.pseudo_gradient().clone() for t in trainers], wire)
         if overlap:
-            pending = (averaged, deltas)
+            pending = averaged
             continue
         for trainer in trainers:
             trainer.outer_step(averaged)
         yield trainers[0], True
     if pending is not None:
-        for trainer, delta in zip(trainers, pending[1], strict=True):
-            trainer.outer_step_overlapped(pending[0], delta)
+        for trainer in trainers:
+            trainer.outer_step_overlapped(pending)
         yield trainers[0], True
 
 

@@ -47,6 +47,11 @@ class DilocoConfig:
     (Streaming DiLoCo; `fragments.py`, applied by `TrainingRun`); 1: every round takes all of Δ."""
 
 
+OVERLAP_MIX = 0.5
+"""α of the overlapped outer step's merge θ ← α·θ + (1 − α)·θ_g' (Streaming DiLoCo's mixing factor;
+0.5 is the paper's choice, and the best of 0.5 and 0.75 in `swarmnode bench quality --variants`)."""
+
+
 @dataclass(frozen=True)
 class AveragedDelta:
     """The swarm's average of Δ. Only the `covered` ranges hold an average; elsewhere nothing is known."""
@@ -187,27 +192,26 @@ class DilocoTrainer:
         self._copy_to_local(target, averaged.covered)
 
     @torch.no_grad()
-    def outer_step_overlapped(self, averaged: AveragedDelta, delta: torch.Tensor | None = None) -> None:
+    def outer_step_overlapped(self, averaged: AveragedDelta) -> None:
         """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
-        overlapped outer step). Δ_r = θ_g − θ_r is this round's `pseudo_gradient()` (θ_r: the local
-        params when the round ended; nothing takes Δ again before its step is applied), never what was
-        sent for it (a poisoned copy, under the test faults); θ has since moved on to θ_r + δ. θ_g takes
-        the same Nesterov step as in `outer_step`, and θ is moved as blocking DiLoCo would have moved
-        θ_r, keeping δ:
-            θ ← θ + (θ_g' − θ_g) + Δ_r   on covered ranges whose average holds our Δ (θ = θ_g' + δ),
-            θ ← θ + (θ_g' − θ_g)         on carried ranges (θ_g' − Δ_r + δ: our work stays local),
-            θ unchanged                  elsewhere (θ_g' = θ_g there).
-        With δ = 0 this is exactly `outer_step`. δ's batches are the next round's: its Δ carries them.
-        `delta`: only for callers that kept their own copy of that same Δ_r (bench/quality.py)."""
-        own = self._delta if delta is None else delta
-        shifts = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
+        overlapped outer step): Streaming DiLoCo's merge (Douillard et al. 2025, §2.2, with its mixing
+        factor α = `OVERLAP_MIX`). θ_r: the local params when the round's Δ_r = θ_g − θ_r was taken;
+        θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as in `outer_step`, and θ
+        merges with it:
+            θ ← α·θ + (1 − α)·θ_g'       on covered ranges whose average holds our Δ,
+            θ ← θ + (θ_g' − θ_g)          on carried ranges (θ_g' − Δ_r + δ: our work stays local),
+            θ unchanged                   elsewhere (θ_g' = θ_g there).
+        No Δ_r is needed: θ holds θ_r + δ, so the node's own work is moved as it is, never what it sent
+        (a poisoned copy, under the test faults). δ's batches are the next round's: its Δ carries what
+        of them the merge keeps."""
+        olds = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
-        for (a, b), shift in zip(averaged.covered, shifts, strict=True):
-            shift.neg_().add_(self.global_flat[a:b]).add_(own[a:b])
+        for (a, b), old in zip(averaged.covered, olds, strict=True):
+            shift = self._local_range(a, b).neg_().add_(self.global_flat[a:b]).mul_(1 - OVERLAP_MIX)
             for c, d in averaged.carried:
                 lo, hi = max(a, c), min(b, d)
                 if lo < hi:
-                    shift[lo - a : hi - a].sub_(own[lo:hi])
+                    shift[lo - a : hi - a] = self.global_flat[lo:hi] - old[lo - a : hi - a]
             self._add_to_local(shift, a)
 
     @torch.no_grad()
@@ -219,6 +223,16 @@ class DilocoTrainer:
             buf.mul_(mu).add_(grad)
             self.global_flat[a:b].add_(grad.add(buf, alpha=mu), alpha=-lr)
         self._global_digest = None
+
+    def _local_range(self, start: int, end: int) -> torch.Tensor:
+        """A copy of θ[start:end] (flat positions)."""
+        piece = torch.empty(end - start, dtype=torch.float32)
+        for slot, p in zip(self.slots, self.params, strict=True):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                local = p.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+                piece[lo - start : hi - start].copy_(local)
+        return piece
 
     def _add_to_local(self, piece: torch.Tensor, start: int) -> None:
         """θ[start : start + len(piece)] += piece (flat positions)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmnode.core.data import ShardLoader, default_corpus
-from swarmnode.core.diloco import AveragedDelta, DilocoConfig
+from swarmnode.core.diloco import OVERLAP_MIX, AveragedDelta, DilocoConfig
 from swarmnode.core.fragments import FragmentPlan, round_steps, steps_in_rounds
 from swarmnode.core.presets import preset
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
@@ -125,16 +125,23 @@ def test_a_fragments_delta_holds_all_its_work_since_its_own_last_step() -> None:
     assert torch.equal(start.delta, run.trainer.global_flat[a:b] - theta[a:b])  # 2·H/K steps of work
 
 
-def test_the_overlapped_fragment_step_without_progress_is_the_blocking_one() -> None:
+def test_the_overlapped_fragment_step_moves_theta_g_as_blocking_and_merges_theta_on_its_fragment() -> None:
     blocking, overlapped = fragment_run(3), fragment_run(3)
     for run, overlap in ((blocking, False), (overlapped, True)):
         fragment_round(run, 2)
         train(run, 2)
         start = run.prepare_round()
+        before = local(run)
         run.apply_outer(own_average(start.delta), {}, None, overlapped=start if overlap else None)
     assert torch.equal(overlapped.trainer.global_flat, blocking.trainer.global_flat)
     assert torch.equal(overlapped.trainer.outer_momentum, blocking.trainer.outer_momentum)
-    torch.testing.assert_close(local(overlapped), local(blocking), rtol=0, atol=1e-6)
+    a, b = overlapped.fragments.for_round(1)
+    theta = local(overlapped)
+    merged = OVERLAP_MIX * before[a:b] + (1 - OVERLAP_MIX) * overlapped.trainer.global_flat[a:b]
+    torch.testing.assert_close(theta[a:b], merged, rtol=0, atol=1e-6)
+    outside = torch.ones_like(theta, dtype=torch.bool)
+    outside[a:b] = False
+    assert torch.equal(theta[outside], before[outside])  # the other fragments train on untouched
 
 
 def test_a_snapshot_mid_cycle_resumes_the_fragment_schedule_exactly(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""The overlapped outer step (DilocoTrainer.outer_step_overlapped): with no overlap progress it is the
-blocking step exactly; with progress δ it lands on θ_g' + δ where our Δ is in the average; it moves θ by
-the node's own Δ, never by what it sent (a poisoned copy under the test faults)."""
+"""The overlapped outer step (DilocoTrainer.outer_step_overlapped): θ_g takes exactly the blocking step;
+θ, which went on by δ, merges with it as Streaming DiLoCo does (α·θ + (1 − α)·θ_g') where our Δ is in the
+average, keeps our Δ and δ as local work where it is not, and moves by the node's own work, never by
+what it sent (a poisoned copy under the test faults)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from swarmnode.core.data import Batch
-from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.diloco import OVERLAP_MIX, AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
 from swarmnode.core.training import TrainingRun
@@ -45,19 +46,29 @@ def averaged_for(trainer: DilocoTrainer) -> AveragedDelta:
     return AveragedDelta(mean, ((0, 2 * n // 3),), 2, carried=((n // 3, 2 * n // 3),))
 
 
-def test_without_overlap_progress_it_is_the_blocking_step_bitwise() -> None:
+def test_global_params_take_the_blocking_step_and_theta_merges_halfway_with_them() -> None:
     blocking = trained()
     overlapped = copy.deepcopy(blocking)
+    n = blocking.global_flat.numel()
     averaged = averaged_for(blocking)
+    delta, theta_r = blocking.pseudo_gradient().clone(), local(blocking)
     blocking.outer_step(averaged)
     overlapped.pseudo_gradient()
     overlapped.outer_step_overlapped(averaged)
     assert torch.equal(overlapped.global_flat, blocking.global_flat)
     assert torch.equal(overlapped.outer_momentum, blocking.outer_momentum)
-    torch.testing.assert_close(local(overlapped), local(blocking), rtol=0, atol=1e-6)
+    new_global, theta = overlapped.global_flat, local(overlapped)
+    third, two = n // 3, 2 * n // 3
+    alpha = OVERLAP_MIX
+    torch.testing.assert_close(
+        theta[:third], alpha * theta_r[:third] + (1 - alpha) * new_global[:third], rtol=0, atol=1e-6
+    )
+    # Where our Δ is left out of the average, θ is where the blocking step puts it: θ_g' − Δ.
+    torch.testing.assert_close(theta[third:], local(blocking)[third:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(theta[third:two], new_global[third:two] - delta[third:two], rtol=0, atol=1e-6)
 
 
-def test_the_overlaps_progress_is_kept_on_top_of_the_new_global_params() -> None:
+def test_the_overlaps_progress_merges_with_the_new_global_params() -> None:
     trainer = trained()
     n = trainer.global_flat.numel()
     averaged = averaged_for(trainer)
@@ -69,7 +80,9 @@ def test_the_overlaps_progress_is_kept_on_top_of_the_new_global_params() -> None
     trainer.outer_step_overlapped(averaged)
     new_global, theta = trainer.global_flat, local(trainer)
     third, two = n // 3, 2 * n // 3
-    torch.testing.assert_close(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
+    merged = OVERLAP_MIX * (theta_r + progress) + (1 - OVERLAP_MIX) * new_global  # Streaming DiLoCo
+    torch.testing.assert_close(theta[:third], merged[:third], rtol=0, atol=1e-6)
+    assert not torch.allclose(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
     carried = slice(third, two)  # our Δ is not in this average: it stays local work
     torch.testing.assert_close(
         theta[carried], new_global[carried] - delta[carried] + progress[carried], rtol=0, atol=1e-6
