@@ -65,6 +65,7 @@ DEFAULT_INNER_STEPS = 100
 DEFAULT_ROUNDS = 40
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_OUTER_MIX = 0.5
 DEFAULT_LR = {"diloco": 2e-3, "dp": 4e-3, "single": 2e-3}
 
 
@@ -107,6 +108,8 @@ class SideJob:
     """Peak inner learning rate (DP and one worker: their only optimizer's)."""
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    outer_mix: float = DEFAULT_OUTER_MIX
+    """α of the merge after each outer step (`DilocoConfig.outer_mix`; DiLoCo's sides only)."""
     heldout_batches: int = HELDOUT_BATCHES
 
     @property
@@ -199,7 +202,11 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
     """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
     model = build_model(preset(job.model, corpus.vocab_size), 0, torch.device("cpu"))
     cfg = DilocoConfig(
-        inner_lr=job.lr, schedule=job.schedule, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum
+        inner_lr=job.lr,
+        schedule=job.schedule,
+        outer_lr=job.outer_lr,
+        outer_momentum=job.outer_momentum,
+        outer_mix=job.outer_mix,
     )
     return DilocoTrainer(model, cfg, torch.device("cpu"))
 
@@ -344,11 +351,12 @@ class Setup:
     lr_diloco: float = DEFAULT_LR["diloco"]
     lr_dp: float = DEFAULT_LR["dp"]
     lr_single: float = DEFAULT_LR["single"]
+    outer_mix: float = DEFAULT_OUTER_MIX
 
     def job(self, side: Side, **changes: Any) -> SideJob:
         lr = {Side.DILOCO: self.lr_diloco, Side.DP: self.lr_dp, Side.SINGLE: self.lr_single}[side]
         job = SideJob(side, self.model, self.workers, self.inner_steps, self.rounds, lr, self.outer_lr)
-        return replace(job, **changes)
+        return replace(job, outer_mix=self.outer_mix, **changes)
 
 
 @dataclass(frozen=True)
@@ -386,7 +394,9 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
     tokens = d.tokens[-1]
     setup = f"{d.job.workers} workers, H={d.job.inner_steps}, {d.job.rounds} rounds, {tokens} tokens/worker"
     for curve in comparison.curves():
-        note = f"peak lr {curve.job.lr:g}" + (f", outer lr {curve.job.outer_lr:g}" if curve is d else "")
+        note = f"peak lr {curve.job.lr:g}"
+        if curve is d:
+            note += f", outer lr {curve.job.outer_lr:g}, outer mix {curve.job.outer_mix:g}"
         note += f"; {curve.seconds:.0f} s"
         result.add(f"{label}: {curve.label} held-out loss", curve.final, "nats", note)
     result.add(f"{label}: DiLoCo bytes communicated", exchange * d.job.rounds / 1e6, "MB", setup)

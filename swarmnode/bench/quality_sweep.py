@@ -3,7 +3,8 @@ picks the defaults.
 
 1. Synchronous DP and one worker each over the peak learning rates `PEAK_LRS`; DiLoCo over outer lr
    `OUTER_LRS` × H `INNER_STEPS` (R = budget / H rounds) at its current peak lr: all queued at once.
-2. DiLoCo's peak lr over `PEAK_LRS` at its best (outer lr, H).
+2. DiLoCo's peak lr over `PEAK_LRS` and its outer mix over `OUTER_MIXES`, each at its best (outer lr,
+   H) and the other's first value.
 
 DiLoCo's best is the lowest held-out loss among the settings whose DP bytes / DiLoCo bytes (= H) is
 at least `MIN_BYTES_RATIO` (the point of DiLoCo); the table marks the best overall too. Every side
@@ -23,7 +24,8 @@ from swarmnode.bench.runner import BenchResult
 
 OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
 INNER_STEPS = (50, 100, 250)
-PEAK_LRS = (1e-3, 2e-3, 4e-3)
+PEAK_LRS = (1e-3, 2e-3, 3e-3, 4e-3, 8e-3)
+OUTER_MIXES = (0.0, 0.5)
 MIN_BYTES_RATIO = 100
 
 
@@ -42,6 +44,7 @@ def run_sweep(result: BenchResult, setup: Setup, log_dir: Path) -> tuple[Setup, 
     dp = _best([c for c in first if c.job.side is Side.DP])
     single = _best([c for c in first if c.job.side is Side.SINGLE])
     inner = [replace(diloco.job, lr=lr) for lr in PEAK_LRS if lr != diloco.job.lr]
+    inner += [replace(diloco.job, outer_mix=mix) for mix in OUTER_MIXES if mix != diloco.job.outer_mix]
     second = run_jobs(inner, log_dir, processes)
     diloco = _best([diloco, *second])
     _table(result, [*first, *second], (diloco, dp, single))
@@ -54,6 +57,7 @@ def run_sweep(result: BenchResult, setup: Setup, log_dir: Path) -> tuple[Setup, 
         diloco.job.lr,
         dp.job.lr,
         single.job.lr,
+        diloco.job.outer_mix,
     )
     return chosen, Comparison(diloco, dp, single)
 
@@ -69,7 +73,10 @@ def _best_diloco(curves: Sequence[Curve]) -> Curve:
 
 def _name(job: SideJob) -> str:
     if job.side is Side.DILOCO:
-        return f"sweep: DiLoCo H={job.inner_steps} outer lr {job.outer_lr:g} peak lr {job.lr:g}"
+        return (
+            f"sweep: DiLoCo H={job.inner_steps} outer lr {job.outer_lr:g} outer mix {job.outer_mix:g} "
+            f"peak lr {job.lr:g}"
+        )
     return f"sweep: {job.side} peak lr {job.lr:g}"
 
 

@@ -40,6 +40,7 @@ def node_args(job: SideJob, shard: int) -> list[str]:
         *("--inner-lr", str(job.lr), "--lr-schedule", str(schedule.kind)),
         *("--inner-warmup-steps", str(schedule.warmup_steps), "--total-steps", str(schedule.total_steps)),
         *("--outer-lr", str(job.outer_lr), "--outer-momentum", str(job.outer_momentum)),
+        *("--outer-mix", str(job.outer_mix)),
         *("--wire-dtype", "fp32", "--wait-peers", str(job.workers - 1)),
         *("--matchmaking-timeout", str(ROUND_TIMEOUT_S), "--allreduce-timeout", str(ROUND_TIMEOUT_S)),
         # A cold snapshot after every outer step announces the node's step, so from the second round

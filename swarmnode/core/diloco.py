@@ -37,6 +37,11 @@ class DilocoConfig:
     """Outer SGD learning rate (paper default)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (paper default)."""
+    outer_mix: float = 0.5
+    """α of the merge that ends an outer step, θ ← α·θ + (1 − α)·θ_g' (Streaming DiLoCo's mixing
+    factor, §2.2): the share of its own local params a worker keeps. 0 is DiLoCo's θ ← θ_g'; 0.5 (the
+    default) ended 3.7–5% lower in held-out loss in `swarmnode bench quality` (README "Model quality").
+    With --overlap it must be > 0: there θ holds the overlap's own steps, which 0 would throw away."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -46,10 +51,9 @@ class DilocoConfig:
     """K: Δ is cut into K fragments that the rounds synchronise in turn, a round being H/K inner steps
     (Streaming DiLoCo; `fragments.py`, applied by `TrainingRun`); 1: every round takes all of Δ."""
 
-
-OVERLAP_MIX = 0.5
-"""α of the overlapped outer step's merge θ ← α·θ + (1 − α)·θ_g' (Streaming DiLoCo's mixing factor;
-0.5 is the paper's choice, and the best of 0.5 and 0.75 in `swarmnode bench quality --variants`)."""
+    def __post_init__(self) -> None:
+        if not 0 <= self.outer_mix < 1:
+            raise ValueError(f"outer mix must be in [0, 1), got {self.outer_mix}")
 
 
 @dataclass(frozen=True)
@@ -179,40 +183,46 @@ class DilocoTrainer:
     @torch.no_grad()
     def outer_step(self, averaged: AveragedDelta) -> None:
         """Nesterov SGD on θ_g over the covered ranges (the exact update of torch.optim.SGD with
-        nesterov=True, dampening 0), then θ ← θ_g there — except on `carried` ranges, where
-        θ ← θ_g − Δ (Δ: this round's `pseudo_gradient()`), so the work the average left out stays in
-        the next Δ; uncovered ranges keep θ and θ_g as they are."""
+        nesterov=True, dampening 0), then the merge θ ← α·θ + (1 − α)·θ_g' there (α = `outer_mix`;
+        0: θ ← θ_g', bit for bit) — except on `carried` ranges, where θ ← θ_g' − Δ (Δ: this round's
+        `pseudo_gradient()`), so the work the average left out stays in the next Δ; uncovered ranges
+        keep θ and θ_g as they are."""
         self.outer_step_on_global(averaged)
-        if not averaged.carried:
-            self._copy_to_local(self.global_flat, averaged.covered)
-            return
-        target = self.global_flat.clone()
-        for a, b in averaged.carried:
-            target[a:b].sub_(self._delta[a:b])
-        self._copy_to_local(target, averaged.covered)
+        for a, b in averaged.covered:
+            target = self._merged(a, b, self._local_range(a, b) if self.cfg.outer_mix else None)
+            for lo, hi in _overlaps(a, b, averaged.carried):
+                target[lo - a : hi - a] = self.global_flat[lo:hi] - self._delta[lo:hi]
+            self._set_local(target, a)
 
     @torch.no_grad()
     def outer_step_overlapped(self, averaged: AveragedDelta) -> None:
         """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
-        overlapped outer step): Streaming DiLoCo's merge (Douillard et al. 2025, §2.2, with its mixing
-        factor α = `OVERLAP_MIX`). θ_r: the local params when the round's Δ_r = θ_g − θ_r was taken;
-        θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as in `outer_step`, and θ
-        merges with it:
+        overlapped outer step): Streaming DiLoCo's merge (Douillard et al. 2025, §2.2, mixing factor
+        α = `outer_mix`, which must be > 0 here). θ_r: the local params when the round's
+        Δ_r = θ_g − θ_r was taken; θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as
+        in `outer_step`, and θ merges with it:
             θ ← α·θ + (1 − α)·θ_g'       on covered ranges whose average holds our Δ,
             θ ← θ + (θ_g' − θ_g)          on carried ranges (θ_g' − Δ_r + δ: our work stays local),
             θ unchanged                   elsewhere (θ_g' = θ_g there).
         No Δ_r is needed: θ holds θ_r + δ, so the node's own work is moved as it is, never what it sent
         (a poisoned copy, under the test faults). δ's batches are the next round's: its Δ carries what
         of them the merge keeps."""
+        assert self.cfg.outer_mix > 0, "an overlapped step with α = 0 would throw the overlap's steps away"
         olds = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
         for (a, b), old in zip(averaged.covered, olds, strict=True):
-            shift = self._local_range(a, b).neg_().add_(self.global_flat[a:b]).mul_(1 - OVERLAP_MIX)
-            for c, d in averaged.carried:
-                lo, hi = max(a, c), min(b, d)
-                if lo < hi:
-                    shift[lo - a : hi - a] = self.global_flat[lo:hi] - old[lo - a : hi - a]
-            self._add_to_local(shift, a)
+            local = self._local_range(a, b)
+            target = self._merged(a, b, local)
+            for lo, hi in _overlaps(a, b, averaged.carried):
+                piece = slice(lo - a, hi - a)
+                target[piece] = local[piece] + (self.global_flat[lo:hi] - old[piece])
+            self._set_local(target, a)
+
+    def _merged(self, a: int, b: int, local: torch.Tensor | None) -> torch.Tensor:
+        """α·θ + (1 − α)·θ_g' on [a, b) as a new tensor (`local`: θ there; None: α = 0, θ_g' itself)."""
+        if local is None:
+            return self.global_flat[a:b].clone()
+        return (self.global_flat[a:b] - local).mul_(1 - self.cfg.outer_mix).add_(local)
 
     @torch.no_grad()
     def outer_step_on_global(self, averaged: AveragedDelta) -> None:
@@ -234,13 +244,13 @@ class DilocoTrainer:
                 piece[lo - start : hi - start].copy_(local)
         return piece
 
-    def _add_to_local(self, piece: torch.Tensor, start: int) -> None:
-        """θ[start : start + len(piece)] += piece (flat positions)."""
+    def _set_local(self, piece: torch.Tensor, start: int) -> None:
+        """θ[start : start + len(piece)] ← piece (flat positions)."""
         end = start + piece.numel()
         for slot, p in zip(self.slots, self.params, strict=True):
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
-                p.data.view(-1)[lo - slot.offset : hi - slot.offset].add_(piece[lo - start : hi - start])
+                p.data.view(-1)[lo - slot.offset : hi - slot.offset].copy_(piece[lo - start : hi - start])
 
     def global_changed(self) -> None:
         """θ_g was modified in place from outside (tests): drop the cached digest."""
@@ -294,6 +304,7 @@ class DilocoTrainer:
             "lr": self.inner_lr_at(self.schedule_step),
             "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum,
+            "outer_mix": self.cfg.outer_mix,
             "weight_decay": self.cfg.weight_decay,
             "betas": list(self.cfg.betas),
             "grad_clip": self.cfg.grad_clip,
@@ -323,6 +334,11 @@ class DilocoTrainer:
         self.schedule_step = int(metadata["schedule_step"])
         if restore_rng:
             restore_rng_state(tensors)
+
+
+def _overlaps(a: int, b: int, ranges: Sequence[Range]) -> list[Range]:
+    """The parts of `ranges` inside [a, b)."""
+    return [(max(a, c), min(b, d)) for c, d in ranges if max(a, c) < min(b, d)]
 
 
 def _slots(named: list[tuple[str, nn.Parameter]]) -> list[ParamSlot]:

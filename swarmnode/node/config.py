@@ -58,6 +58,7 @@ class NodeConfig:
     total_steps: int | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_mix: float = 0.5
     batch_size: int = 8
     seq_len: int = 128
     num_shards: int = 16
@@ -165,6 +166,10 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
+    if cfg.overlap == "on" and cfg.outer_mix == 0:
+        raise ConfigError(
+            "--outer-mix: must be above 0 with --overlap on (0 would discard the overlap's steps)"
+        )
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
@@ -230,6 +235,13 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise ValueError("must be between 0 and 1")
+    return value
+
+
+def _mix(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise ValueError("must be at least 0 and below 1")
     return value
 
 
@@ -364,6 +376,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
     Flag("outer_momentum", _fraction, "outer Nesterov momentum"),
+    Flag(
+        "outer_mix",
+        _mix,
+        "α of the merge after each outer step, θ ← α·θ + (1−α)·θ_global (Streaming DiLoCo's mixing "
+        "factor); 0: DiLoCo's θ ← θ_global",
+    ),
     Flag("batch_size", _positive_int, "sequences per inner step"),
     Flag("seq_len", _positive_int, "tokens per sequence (at most the preset's context)"),
     Flag("num_shards", _positive_int, "shards the training data is cut into (must agree across the run)"),

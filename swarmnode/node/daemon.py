@@ -82,6 +82,7 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
         schedule=cfg.inner_schedule,
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
+        outer_mix=cfg.outer_mix,
         fragments=cfg.fragments,
     )
     corpus_digest = checked.corpus.digest

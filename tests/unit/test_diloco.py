@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
+import pytest
 import torch
 
 from swarmnode.core.data import Batch
@@ -12,7 +14,7 @@ from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
 
 CFG = ModelConfig(n_layer=1, n_embd=32, n_head=2, context=16, vocab_size=64)
-DILOCO = DilocoConfig(inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9)
+DILOCO = DilocoConfig(inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9, outer_mix=0.0)  # Algorithm 1
 
 
 def batches(n: int, seed: int) -> list[Batch]:
@@ -125,6 +127,42 @@ def test_a_part_averaged_without_this_node_carries_its_delta_to_the_next_round()
     assert torch.equal(local[kept], trainer.global_flat[kept])
     assert torch.allclose(trainer.pseudo_gradient()[carried], delta[carried], rtol=0, atol=1e-6)
     assert torch.equal(trainer.pseudo_gradient()[kept], torch.zeros(n // 2))
+
+
+def test_the_merge_keeps_a_share_of_the_local_params_and_moves_global_params_as_diloco() -> None:
+    """outer_mix α: θ ← α·θ + (1 − α)·θ_g' where the step covered θ with our Δ in it; θ_g and its
+    momentum take exactly DiLoCo's step; carried and uncovered ranges follow the same rules as α = 0."""
+    mixed = replace(DILOCO, outer_mix=0.5)
+    trainers = [
+        DilocoTrainer(build_model(CFG, 0, torch.device("cpu")), c, torch.device("cpu"))
+        for c in (DILOCO, mixed)
+    ]
+    n = trainers[0].global_flat.numel()
+    covered, left_out = ((0, 2 * n // 3),), (n // 3, 2 * n // 3)
+    for trainer in trainers:
+        for b in batches(3, 7):
+            trainer.inner_step(b)
+    theta_r, delta = flat(trainers[1].model), trainers[1].pseudo_gradient().clone()
+    trainers[0].pseudo_gradient()
+    others = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    for trainer in trainers:
+        trainer.outer_step(AveragedDelta(others, covered, group_size=3, carried=(left_out,)))
+    plain, merged = trainers
+    assert torch.equal(merged.global_flat, plain.global_flat)
+    assert torch.equal(merged.outer_momentum, plain.outer_momentum)
+    theta, new_global = flat(merged.model), merged.global_flat
+    kept, carried, rest = slice(0, n // 3), slice(*left_out), slice(2 * n // 3, n)
+    torch.testing.assert_close(theta[kept], 0.5 * theta_r[kept] + 0.5 * new_global[kept], rtol=0, atol=1e-7)
+    assert not torch.equal(theta[kept], new_global[kept])
+    assert torch.equal(theta[carried], new_global[carried] - delta[carried])
+    assert torch.equal(theta[rest], theta_r[rest])
+    assert torch.equal(flat(plain.model)[kept], plain.global_flat[kept])  # α = 0: DiLoCo's θ ← θ_g'
+
+
+def test_outer_mix_is_a_share_below_one() -> None:
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="outer mix"):
+            DilocoConfig(outer_mix=bad)
 
 
 def test_state_round_trip_restores_training_bitwise() -> None:

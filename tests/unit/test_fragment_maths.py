@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmnode.core.data import ShardLoader, default_corpus
-from swarmnode.core.diloco import OVERLAP_MIX, AveragedDelta, DilocoConfig
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig
 from swarmnode.core.fragments import FragmentPlan, round_steps, steps_in_rounds
 from swarmnode.core.presets import preset
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
@@ -24,11 +24,13 @@ NODE_ID = "ab" * 20
 CFG = DilocoConfig(outer_lr=0.7, outer_momentum=0.9)
 
 
-def fragment_run(fragments: int) -> TrainingRun:
+def fragment_run(fragments: int, outer_mix: float = CFG.outer_mix) -> TrainingRun:
     """A tiny node's training run with `--fragments fragments` (outer steps applied by hand)."""
     corpus = default_corpus()
     model_cfg = preset("tiny", corpus.vocab_size)
-    diloco = DilocoConfig(outer_lr=CFG.outer_lr, outer_momentum=CFG.outer_momentum, fragments=fragments)
+    diloco = DilocoConfig(
+        outer_lr=CFG.outer_lr, outer_momentum=CFG.outer_momentum, outer_mix=outer_mix, fragments=fragments
+    )
     loader = ShardLoader(corpus, 0, 16, 2, 32, seed=0)
     digest = run_digest("tiny", model_cfg, 32, 16, 0, diloco, corpus.digest)
     identity = RunIdentity("test", NODE_ID, digest, corpus.digest, "tiny")
@@ -86,7 +88,7 @@ def test_one_fragment_is_the_blocking_step_bit_for_bit() -> None:
 
 def test_each_fragment_takes_its_own_nesterov_step_once_per_h_inner_steps() -> None:
     k, round_steps = 4, 2  # H = 8
-    run = fragment_run(k)
+    run = fragment_run(k, outer_mix=0.0)  # DiLoCo's θ ← θ_g' on the fragment, to see it whole
     plan = run.fragments
     mu, lr = CFG.outer_momentum, CFG.outer_lr
     want_global, want_momentum = run.trainer.global_flat.clone(), torch.zeros_like(run.trainer.global_flat)
@@ -137,7 +139,10 @@ def test_the_overlapped_fragment_step_moves_theta_g_as_blocking_and_merges_theta
     assert torch.equal(overlapped.trainer.outer_momentum, blocking.trainer.outer_momentum)
     a, b = overlapped.fragments.for_round(1)
     theta = local(overlapped)
-    merged = OVERLAP_MIX * before[a:b] + (1 - OVERLAP_MIX) * overlapped.trainer.global_flat[a:b]
+    merged = (
+        overlapped.trainer.cfg.outer_mix * before[a:b]
+        + (1 - overlapped.trainer.cfg.outer_mix) * overlapped.trainer.global_flat[a:b]
+    )
     torch.testing.assert_close(theta[a:b], merged, rtol=0, atol=1e-6)
     outside = torch.ones_like(theta, dtype=torch.bool)
     outside[a:b] = False

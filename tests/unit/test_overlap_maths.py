@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from swarmnode.core.data import Batch
-from swarmnode.core.diloco import OVERLAP_MIX, AveragedDelta, DilocoConfig, DilocoTrainer
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
 from swarmnode.core.training import TrainingRun
 from swarmnode.util import faults
 
 CFG = ModelConfig(n_layer=1, n_embd=32, n_head=2, context=16, vocab_size=64)
+ALPHA = DilocoConfig().outer_mix
 
 
 def batch(seed: int) -> Batch:
@@ -59,7 +60,8 @@ def test_global_params_take_the_blocking_step_and_theta_merges_halfway_with_them
     assert torch.equal(overlapped.outer_momentum, blocking.outer_momentum)
     new_global, theta = overlapped.global_flat, local(overlapped)
     third, two = n // 3, 2 * n // 3
-    alpha = OVERLAP_MIX
+    alpha = ALPHA
+    assert 0 < alpha < 1
     torch.testing.assert_close(
         theta[:third], alpha * theta_r[:third] + (1 - alpha) * new_global[:third], rtol=0, atol=1e-6
     )
@@ -80,7 +82,7 @@ def test_the_overlaps_progress_merges_with_the_new_global_params() -> None:
     trainer.outer_step_overlapped(averaged)
     new_global, theta = trainer.global_flat, local(trainer)
     third, two = n // 3, 2 * n // 3
-    merged = OVERLAP_MIX * (theta_r + progress) + (1 - OVERLAP_MIX) * new_global  # Streaming DiLoCo
+    merged = ALPHA * (theta_r + progress) + (1 - ALPHA) * new_global  # Streaming DiLoCo
     torch.testing.assert_close(theta[:third], merged[:third], rtol=0, atol=1e-6)
     assert not torch.allclose(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
     carried = slice(third, two)  # our Δ is not in this average: it stays local work

@@ -68,11 +68,13 @@ def test_sweep_picks_each_sides_best_and_a_frugal_h(monkeypatch: pytest.MonkeyPa
         (100, 10),
         (250, 4),
     }
-    assert len(asked) == 12 + 6 + 2
+    lrs, mixes = len(quality_sweep.PEAK_LRS), len(quality_sweep.OUTER_MIXES)
+    assert len(asked) == 12 + 2 * lrs + (lrs - 1) + (mixes - 1)
+    assert {j.outer_mix for j in asked if j.side is Side.DILOCO} == set(quality_sweep.OUTER_MIXES)
     assert comparison.diloco.job.inner_steps == 100
     notes = {f.name: f.note for f in result.figures}
-    assert "best overall" in notes["sweep: DiLoCo H=50 outer lr 1 peak lr 0.002"]
-    assert "chosen" in notes["sweep: DiLoCo H=100 outer lr 1 peak lr 0.002"]
+    assert "best overall" in notes["sweep: DiLoCo H=50 outer lr 1 outer mix 0.5 peak lr 0.002"]
+    assert "chosen" in notes["sweep: DiLoCo H=100 outer lr 1 outer mix 0.5 peak lr 0.002"]
 
 
 def test_plot_is_a_png_with_three_labelled_series(tmp_path: Path) -> None:
