@@ -66,7 +66,7 @@ DEFAULT_ROUNDS = 40
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_OUTER_MIX = 0.5
-DEFAULT_LR = {"diloco": 2e-3, "dp": 4e-3, "single": 2e-3}
+DEFAULT_LR = {"diloco": 3e-3, "dp": 8e-3, "single": 4e-3}
 
 
 OVERLAP_SHARE = 0.25

@@ -41,7 +41,7 @@ class DilocoConfig:
     """α of the merge that ends an outer step, θ ← α·θ + (1 − α)·θ_g' (Streaming DiLoCo's mixing
     factor, §2.2): the share of its own local params a worker keeps. 0 is DiLoCo's θ ← θ_g'; 0.5 (the
     default) ended 3.7–5% lower in held-out loss in `swarmnode bench quality` (README "Model quality").
-    With --overlap it must be > 0: there θ holds the overlap's own steps, which 0 would throw away."""
+    With --overlap the same merge lands the overlap's own steps on top (`outer_step_overlapped`)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -197,26 +197,25 @@ class DilocoTrainer:
     @torch.no_grad()
     def outer_step_overlapped(self, averaged: AveragedDelta) -> None:
         """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
-        overlapped outer step): Streaming DiLoCo's merge (Douillard et al. 2025, §2.2, mixing factor
-        α = `outer_mix`, which must be > 0 here). θ_r: the local params when the round's
-        Δ_r = θ_g − θ_r was taken; θ has since moved on to θ_r + δ. θ_g takes the same Nesterov step as
-        in `outer_step`, and θ merges with it:
-            θ ← α·θ + (1 − α)·θ_g'       on covered ranges whose average holds our Δ,
-            θ ← θ + (θ_g' − θ_g)          on carried ranges (θ_g' − Δ_r + δ: our work stays local),
-            θ unchanged                   elsewhere (θ_g' = θ_g there).
-        No Δ_r is needed: θ holds θ_r + δ, so the node's own work is moved as it is, never what it sent
-        (a poisoned copy, under the test faults). δ's batches are the next round's: its Δ carries what
-        of them the merge keeps."""
-        assert self.cfg.outer_mix > 0, "an overlapped step with α = 0 would throw the overlap's steps away"
+        overlapped outer step). Δ_r = θ_g − θ_r is this round's `pseudo_gradient()` (θ_r: the local
+        params when the round ended; nothing takes Δ again before its step is applied), never what was
+        sent for it (a poisoned copy, under the test faults); θ has since moved on to θ_r + δ. θ_g takes
+        the same Nesterov step as in `outer_step`, and θ lands where the blocking step would have put
+        θ_r, plus δ (α = `outer_mix`):
+            θ ← θ + (1 − α)·(θ_g' − θ_r)   on covered ranges whose average holds our Δ
+                                            (θ = α·θ_r + (1 − α)·θ_g' + δ),
+            θ ← θ + (θ_g' − θ_g)            on carried ranges (θ_g' − Δ_r + δ: our work stays local),
+            θ unchanged                     elsewhere (θ_g' = θ_g there).
+        With δ = 0 this is `outer_step` (to rounding). δ's batches are the next round's: its Δ carries
+        them whole."""
         olds = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
         for (a, b), old in zip(averaged.covered, olds, strict=True):
-            local = self._local_range(a, b)
-            target = self._merged(a, b, local)
+            shift = self.global_flat[a:b] - old  # θ_g' − θ_g
+            shift.add_(self._delta[a:b]).mul_(1 - self.cfg.outer_mix)  # (1 − α)·(θ_g' − θ_r)
             for lo, hi in _overlaps(a, b, averaged.carried):
-                piece = slice(lo - a, hi - a)
-                target[piece] = local[piece] + (self.global_flat[lo:hi] - old[piece])
-            self._set_local(target, a)
+                shift[lo - a : hi - a] = self.global_flat[lo:hi] - old[lo - a : hi - a]
+            self._set_local(self._local_range(a, b).add_(shift), a)
 
     def _merged(self, a: int, b: int, local: torch.Tensor | None) -> torch.Tensor:
         """α·θ + (1 − α)·θ_g' on [a, b) as a new tensor (`local`: θ there; None: α = 0, θ_g' itself)."""

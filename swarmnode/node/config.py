@@ -166,10 +166,6 @@ def _check_combinations(cfg: NodeConfig) -> None:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
         raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
-    if cfg.overlap == "on" and cfg.outer_mix == 0:
-        raise ConfigError(
-            "--outer-mix: must be above 0 with --overlap on (0 would discard the overlap's steps)"
-        )
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)

@@ -1,5 +1,5 @@
 """`--overlap on`: the outer step of round r overlaps round r+1's inner phase (README: overlapped outer
-step; Streaming DiLoCo, Douillard et al. 2025, §2.2, with its merge).
+step; Streaming DiLoCo, Douillard et al. 2025, §2.2).
 
 At the end of round r's inner phase the node takes Δ_r = θ_g − θ_r as before and starts the round's
 matchmaking and all-reduce on the event loop, while the training thread goes on with round r+1's
@@ -7,10 +7,11 @@ inner steps from θ_r. When the average arrives, the inner phase pauses at its n
 the outer step is applied there (`DilocoTrainer.outer_step_overlapped`):
 
     θ_g' = θ_g − lr·(Δ̄ + μ·m'),  m' = μ·m + Δ̄           (the same Nesterov step as blocking DiLoCo)
-    θ    ← α·θ + (1 − α)·θ_g'                              (covered ranges whose average holds our Δ_r)
+    θ    ← θ + (1 − α)·(θ_g' − θ_r)                        (covered ranges whose average holds our Δ_r)
 
-with θ = θ_r + δ, δ the overlap's own inner progress, and α = `diloco.OVERLAP_MIX`; the next round's
-Δ carries what the merge keeps. Then the inner phase goes on to its H steps. Invariants:
+so θ = α·θ_r + (1 − α)·θ_g' + δ: where the blocking step (with its merge, α = --outer-mix) would
+have put θ_r, plus δ, the overlap's own inner progress, which the next round's Δ carries; then the
+inner phase goes on to its H steps. Invariants:
 - one round in flight at most: round r+1's Δ is taken only after round r's step was applied, so the
   members' digests agree after every outer step as in blocking mode;
 - the ledger: round r's range is opened when its Δ is taken and settled when its step is applied,

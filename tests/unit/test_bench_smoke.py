@@ -32,8 +32,10 @@ def run_bench(name: str, *knobs: str) -> dict[str, Any]:
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The report's ratios; each positive, but for a share of a gain (a 6-step DiLoCo may trail one
+    worker: its share of DP's gain is then below 0)."""
     values = {r["name"]: r["value"] for r in report["ratios"]}
-    assert all(v > 0 for v in values.values()), values
+    assert all(v > 0 for name, v in values.items() if "share" not in name), values
     return values
 
 

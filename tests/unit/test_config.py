@@ -72,7 +72,6 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--inner-steps", "4", "--fragments", "5"],
         ["--outer-mix", "1"],
         ["--outer-mix", "-0.5"],
-        ["--overlap", "on", "--outer-mix", "0"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:

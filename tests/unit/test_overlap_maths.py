@@ -1,7 +1,6 @@
-"""The overlapped outer step (DilocoTrainer.outer_step_overlapped): θ_g takes exactly the blocking step;
-θ, which went on by δ, merges with it as Streaming DiLoCo does (α·θ + (1 − α)·θ_g') where our Δ is in the
-average, keeps our Δ and δ as local work where it is not, and moves by the node's own work, never by
-what it sent (a poisoned copy under the test faults)."""
+"""The overlapped outer step (DilocoTrainer.outer_step_overlapped): with no overlap progress it is the
+blocking step (θ_g bitwise, θ to rounding); with progress δ, θ lands where the blocking step puts θ_r,
+plus δ; it moves θ by the node's own Δ, never by what it sent (a poisoned copy under the test faults)."""
 
 from __future__ import annotations
 
@@ -47,30 +46,25 @@ def averaged_for(trainer: DilocoTrainer) -> AveragedDelta:
     return AveragedDelta(mean, ((0, 2 * n // 3),), 2, carried=((n // 3, 2 * n // 3),))
 
 
-def test_global_params_take_the_blocking_step_and_theta_merges_halfway_with_them() -> None:
+def test_without_overlap_progress_it_is_the_blocking_step() -> None:
     blocking = trained()
     overlapped = copy.deepcopy(blocking)
-    n = blocking.global_flat.numel()
     averaged = averaged_for(blocking)
-    delta, theta_r = blocking.pseudo_gradient().clone(), local(blocking)
+    theta_r = local(blocking)
+    blocking.pseudo_gradient()
     blocking.outer_step(averaged)
     overlapped.pseudo_gradient()
     overlapped.outer_step_overlapped(averaged)
     assert torch.equal(overlapped.global_flat, blocking.global_flat)
     assert torch.equal(overlapped.outer_momentum, blocking.outer_momentum)
-    new_global, theta = overlapped.global_flat, local(overlapped)
-    third, two = n // 3, 2 * n // 3
-    alpha = ALPHA
-    assert 0 < alpha < 1
-    torch.testing.assert_close(
-        theta[:third], alpha * theta_r[:third] + (1 - alpha) * new_global[:third], rtol=0, atol=1e-6
-    )
-    # Where our Δ is left out of the average, θ is where the blocking step puts it: θ_g' − Δ.
-    torch.testing.assert_close(theta[third:], local(blocking)[third:], rtol=0, atol=1e-6)
-    torch.testing.assert_close(theta[third:two], new_global[third:two] - delta[third:two], rtol=0, atol=1e-6)
+    torch.testing.assert_close(local(overlapped), local(blocking), rtol=0, atol=1e-6)
+    assert not torch.allclose(local(blocking), blocking.global_flat, rtol=0, atol=1e-6)  # α > 0: merged
+    n = theta_r.numel()
+    merged = ALPHA * theta_r + (1 - ALPHA) * blocking.global_flat
+    torch.testing.assert_close(local(blocking)[: n // 3], merged[: n // 3], rtol=0, atol=1e-6)
 
 
-def test_the_overlaps_progress_merges_with_the_new_global_params() -> None:
+def test_the_overlaps_progress_lands_whole_on_top_of_the_blocking_steps_merge() -> None:
     trainer = trained()
     n = trainer.global_flat.numel()
     averaged = averaged_for(trainer)
@@ -82,9 +76,8 @@ def test_the_overlaps_progress_merges_with_the_new_global_params() -> None:
     trainer.outer_step_overlapped(averaged)
     new_global, theta = trainer.global_flat, local(trainer)
     third, two = n // 3, 2 * n // 3
-    merged = ALPHA * (theta_r + progress) + (1 - ALPHA) * new_global  # Streaming DiLoCo
-    torch.testing.assert_close(theta[:third], merged[:third], rtol=0, atol=1e-6)
-    assert not torch.allclose(theta[:third], new_global[:third] + progress[:third], rtol=0, atol=1e-6)
+    merged = ALPHA * theta_r + (1 - ALPHA) * new_global  # where the blocking step puts θ_r
+    torch.testing.assert_close(theta[:third], merged[:third] + progress[:third], rtol=0, atol=1e-6)
     carried = slice(third, two)  # our Δ is not in this average: it stays local work
     torch.testing.assert_close(
         theta[carried], new_global[carried] - delta[carried] + progress[carried], rtol=0, atol=1e-6

@@ -59,7 +59,9 @@ def test_sweep_picks_each_sides_best_and_a_frugal_h(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(quality_sweep, "run_jobs", run_jobs)
     result = BenchResult("quality", "tiny")
-    chosen, comparison = quality_sweep.run_sweep(result, Setup(inner_steps=100, rounds=10), Path("."))
+    chosen, comparison = quality_sweep.run_sweep(
+        result, Setup(inner_steps=100, rounds=10, lr_diloco=2e-3), Path(".")
+    )
     # H=50 is best overall but sends only 50× fewer bytes than DP: the choice is H=100.
     assert (chosen.inner_steps, chosen.rounds, chosen.outer_lr) == (100, 10, 1.0)
     assert (chosen.lr_diloco, chosen.lr_dp, chosen.lr_single) == (2e-3, 2e-3, 2e-3)
