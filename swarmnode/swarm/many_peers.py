@@ -57,9 +57,10 @@ AGREEMENT_GRACE_S = 3.0
 """Once two peers agree on a root, how much longer the other manifests are waited for."""
 HEAD_START_S = 1.0
 """How long the freshest peer (whose node part is the long pole) has to itself, reading its snapshot into
-ranges, before the others are asked too: on a busy machine their reads would slow its own (1.45 s for
-three sources of `small` at once on 2 cores, about half that alone); on separate machines it costs
-nothing, since they are asked as soon as it answers."""
+ranges, before the others are asked too: on one busy machine their reads would slow its own (`small`,
+capped bed on 2 cores: 1.45-2.0 s until the first manifest with all three sources reading at once,
+0.4-0.8 s for the freshest alone); on separate machines it costs nothing, since they are asked as soon
+as it answers. A silent freshest peer costs this long."""
 
 
 class ManyPeersUnavailable(PeerFault):
@@ -286,9 +287,10 @@ class ManyPeerFetch:
                     break
                 if best >= self._min_agreeing and deadline is None:
                     deadline = time.monotonic() + AGREEMENT_GRACE_S
-        finally:
+        finally:  # a manifest no longer waited for is not asked for any more
             for task in tasks:
                 task.cancel()
+            await asyncio.wait(tasks)
         return answers
 
     async def _manifest(self, peer: Announcement, outer_step: int) -> RangeManifest | None:
