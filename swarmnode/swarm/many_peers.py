@@ -11,9 +11,16 @@ whose snapshot metadata must be of this run and step. Once every range verified,
 to the global digest that metadata records. Only then is a `LoadedSnapshot` built (tensors viewing the
 received bytes; nothing unpickled) for `Recovery` to adopt as it adopts a peer's snapshot.
 
+The node part from one peer is the long pole, so that peer goes first: the freshest peer is asked for
+its manifest `HEAD_START_S` before the others (sooner once it answers), so its snapshot read need not
+share the cores with theirs, and its node ranges are fetched as soon as its signed manifest is in, before
+the shared root is agreed on. Each of them is still checked against that signed manifest as it arrives,
+and none is used unless that peer's shared root turns out to be the agreed one: if it is not, that
+fetch is cancelled and the node part comes from the freshest agreeing peer instead.
+
 Failure semantics: any failure raises a `PeerFault` (fewer than two agreeing peers, a malformed
 manifest, a range nobody left can serve, a digest that does not match) and nothing local has changed;
-the caller falls back to fetching one whole snapshot from one peer.
+the caller falls back to fetching one whole snapshot from one peer. No range request outlives `fetch`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ MANIFEST_TIMEOUT_S = 30.0
 MIN_AGREEING = 2
 AGREEMENT_GRACE_S = 3.0
 """Once two peers agree on a root, how much longer the other manifests are waited for."""
+HEAD_START_S = 1.0
+"""How long the freshest peer (whose node part is the long pole) has to itself, reading its snapshot into
+ranges, before the others are asked too: on one busy machine their reads would slow its own (`small`,
+capped bed on 2 cores: 1.45-2.0 s until the first manifest with all three sources reading at once,
+0.4-0.8 s for the freshest alone); on separate machines it costs nothing, since they are asked as soon
+as it answers. A silent freshest peer costs this long."""
 
 
 class ManyPeersUnavailable(PeerFault):
@@ -96,6 +109,57 @@ class GrpcRangePeer:
         return await state_ranges.fetch_range(self.name, root, index, timeout_s, self._channels)
 
 
+@dataclass
+class _Run:
+    """One fetcher run into `assembly`: the whole node part from `peer`, asked for from the start, and
+    the shared ranges still missing, from the peers given once the shared root is agreed on (`share`)."""
+
+    peer: Announcement
+    manifest: RangeManifest
+    assembly: _Assembly
+    fetcher: RangeFetcher
+    task: asyncio.Task[FetchReport]
+    """`fetcher.run()`, started with the node part's jobs."""
+    started: float = field(default_factory=time.perf_counter)
+    merged: bool = False
+
+    async def share(self, peers: Sequence[GrpcRangePeer], jobs: Sequence[RangeJob]) -> FetchReport:
+        """Returns once every range is in (RangeFetchFailed: one that nobody left can serve)."""
+        try:
+            await self.fetcher.extend(peers, jobs)
+            await self.fetcher.close()
+            return await self.task
+        finally:
+            await self.cancel()  # (over already, unless this was cancelled)
+
+    async def cancel(self) -> None:
+        """Stops the run, its range requests with it; what it delivered counts in the assembly's report."""
+        self.task.cancel()
+        await asyncio.wait({self.task})
+        if not self.task.cancelled():
+            self.task.exception()  # (retrieved: a run given up on has no failure to raise)
+        if not self.merged:
+            self.merged = True
+            self.assembly.merge(self.fetcher.report)
+
+
+@dataclass
+class _HeadStart:
+    """The freshest peer's node part, fetched from the moment its manifest is in (`offer`)."""
+
+    peer: Announcement
+    start: Callable[[RangeManifest], _Run | None]
+    run: _Run | None = None
+
+    def offer(self, peer: Announcement, manifest: RangeManifest | None) -> None:
+        if peer is self.peer and manifest is not None:
+            self.run = self.start(manifest)
+
+    async def cancel(self) -> None:
+        if self.run is not None:
+            await self.run.cancel()
+
+
 class ManyPeerFetch:
     """Puts a peer state together from up to `max_peers` peers for one node's template."""
 
@@ -121,35 +185,59 @@ class ManyPeerFetch:
     async def fetch(self, peers: Sequence[Announcement], outer_step: int) -> RangedState:
         """The state at `outer_step` from the peers that announced it; ManyPeersUnavailable else."""
         started = time.perf_counter()
+        at_step = self._at_step(peers, outer_step)
+        # Not zero-filled: that touched ~0.8x the state's pages before the first range was asked for
+        # (0.56 s for `small` on a busy 2-core node); the pages fault in as the ranges land.
+        assembly = _Assembly(
+            np.empty(self._shared.total_bytes, dtype=np.uint8),
+            np.empty(self._node.total_bytes, dtype=np.uint8),
+        )
+        head = _HeadStart(at_step[0], lambda m: self._early_run(assembly, at_step[0], m, outer_step))
+        try:
+            agreeing = await self._agreeing(at_step[: 2 * self._max_peers], outer_step, head.offer)
+            sources = agreeing[: self._max_peers]
+            asked = time.perf_counter()
+            run, meta = await self._fetch_blobs(assembly, sources, outer_step, head.run)
+        finally:
+            await head.cancel()  # (over already, unless this failed)
+        fetched = time.perf_counter()
+        await asyncio.to_thread(self._check_global_digest, assembly.shared, meta)
+        loaded = self._loaded(run.manifest, meta, assembly.shared, assembly.node, assembly.report.wire_bytes)
+        report = assembly.report
+        return RangedState(
+            loaded,
+            run.peer,
+            tuple(a.address for a, _ in sources),
+            dict(report.ranges_per_peer),
+            dict(report.failures),
+            {
+                "manifests": asked - started,
+                "node_part_start": run.started - started,
+                "fetch": fetched - asked,
+                "verify": time.perf_counter() - fetched,
+            },
+        )
+
+    def _at_step(self, peers: Sequence[Announcement], outer_step: int) -> list[Announcement]:
+        """The peers that announced `outer_step`, freshest first (ManyPeersUnavailable: too few)."""
         at_step = sorted((p for p in peers if p.outer_step == outer_step), key=lambda p: p.freshness)[::-1]
         if len(at_step) < self._min_agreeing:
             raise ManyPeersUnavailable(
                 FetchFailure.REFUSED,
                 f"{len(at_step)} peer(s) at outer step {outer_step}, fewer than {self._min_agreeing}",
             )
-        agreeing = await self._agreeing(at_step[: 2 * self._max_peers], outer_step)
-        sources = agreeing[: self._max_peers]
-        asked = time.perf_counter()
-        assembly, node_peer, manifest, meta = await self._fetch_blobs(sources, outer_step)
-        fetched = time.perf_counter()
-        await asyncio.to_thread(self._check_global_digest, assembly.shared, meta)
-        loaded = self._loaded(manifest, meta, assembly.shared, assembly.node, assembly.report.wire_bytes)
-        report = assembly.report
-        return RangedState(
-            loaded,
-            node_peer,
-            tuple(a.address for a, _ in sources),
-            dict(report.ranges_per_peer),
-            dict(report.failures),
-            {"manifests": asked - started, "fetch": fetched - asked, "verify": time.perf_counter() - fetched},
-        )
+        return at_step
 
     async def _agreeing(
-        self, peers: Sequence[Announcement], outer_step: int
+        self,
+        peers: Sequence[Announcement],
+        outer_step: int,
+        on_manifest: Callable[[Announcement, RangeManifest | None], None] | None = None,
     ) -> list[tuple[Announcement, RangeManifest]]:
         """The peers (freshest first) whose shared range list is the one most of them hand in, if at
-        least `min_agreeing` do and it fits this node's model."""
-        answers = await self._manifests(peers, outer_step)
+        least `min_agreeing` do and it fits this node's model. `on_manifest` hears each answer as it
+        comes (None: none usable)."""
+        answers = await self._manifests(peers, outer_step, on_manifest)
         usable = [(p, m) for p in peers if (m := answers.get(p.node_id)) is not None]
         votes = Counter(m.shared.root for _, m in usable)
         if not votes or votes.most_common(1)[0][1] < self._min_agreeing:
@@ -162,31 +250,47 @@ class ManyPeerFetch:
         return [(p, m) for p, m in usable if m.shared.root == root]
 
     async def _manifests(
-        self, peers: Sequence[Announcement], outer_step: int
+        self,
+        peers: Sequence[Announcement],
+        outer_step: int,
+        on_manifest: Callable[[Announcement, RangeManifest | None], None] | None = None,
     ) -> dict[str, RangeManifest | None]:
-        """The peers' manifests by node id, asked at once. A dead or silent peer must not hold the
-        recovery up: once K agree the rest are not awaited, and once two agree the others get
-        `AGREEMENT_GRACE_S` more."""
-        tasks = {asyncio.create_task(self._manifest(p, outer_step)): p.node_id for p in peers}
+        """The peers' manifests by node id: the first peer's at once, the others' `HEAD_START_S` later
+        or once it answered. A dead or silent peer must not hold the recovery up: once K agree the rest
+        are not awaited, and once two agree the others get `AGREEMENT_GRACE_S` more."""
+        tasks = {asyncio.create_task(self._manifest(peers[0], outer_step)): peers[0]}
+        later = list(peers[1:])
         answers: dict[str, RangeManifest | None] = {}
         deadline: float | None = None
         try:
             pending = set(tasks)
             while pending:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                timeout = HEAD_START_S if later else None
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
                 done, pending = await asyncio.wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
-                if not done:
+                for task in done:
+                    peer = tasks[task]
+                    answers[peer.node_id] = task.result()
+                    if on_manifest is not None:
+                        on_manifest(peer, answers[peer.node_id])
+                if later:  # the first peer answered, or its head start is over
+                    asked = {asyncio.create_task(self._manifest(p, outer_step)): p for p in later}
+                    tasks.update(asked)
+                    pending.update(asked)
+                    later = []
+                elif not done:  # the grace after two agreed is over
                     break
-                answers.update((tasks[t], t.result()) for t in done)
                 votes = Counter(m.shared.root for m in answers.values() if m is not None)
                 best = votes.most_common(1)[0][1] if votes else 0
                 if best >= self._max_peers:
                     break
                 if best >= self._min_agreeing and deadline is None:
                     deadline = time.monotonic() + AGREEMENT_GRACE_S
-        finally:
+        finally:  # a manifest no longer waited for is not asked for any more
             for task in tasks:
                 task.cancel()
+            await asyncio.wait(tasks)
         return answers
 
     async def _manifest(self, peer: Announcement, outer_step: int) -> RangeManifest | None:
@@ -230,40 +334,20 @@ class ManyPeerFetch:
             )
         return meta
 
-    async def _fetch_blobs(
-        self, sources: list[tuple[Announcement, RangeManifest]], outer_step: int
-    ) -> tuple[_Assembly, Announcement, RangeManifest, SnapshotMetadata]:
-        """Fills both blobs from `sources`, the node part from the first of them that serves it whole:
-        a node-part peer that fails is dropped and its successor's node part fetched instead, while
-        the shared ranges already verified are kept."""
-        first = sources[0][1]
-        # Not zero-filled: that touched ~0.8x the state's pages before the first range was asked for
-        # (0.56 s for `small` on a busy 2-core node); the pages fault in as the ranges land.
-        shared = np.empty(first.shared.total_bytes, dtype=np.uint8)
-        assembly = _Assembly(shared, np.empty(first.node.total_bytes, dtype=np.uint8))
-        refusals = []
-        for node_peer, manifest in sources:
-            if node_peer.address in assembly.dropped:
-                continue
-            addresses = [a.address for a, _ in sources if a.address not in assembly.dropped]
-            try:
-                meta = self._check_metadata(manifest, outer_step)
-                await self._fetch_with(assembly, addresses, node_peer.address, manifest)
-            except PeerFault as exc:
-                refusals.append(f"{node_peer.address}: {exc}")
-                assembly.dropped.add(node_peer.address)
-                continue
-            return assembly, node_peer, manifest, meta
-        raise ManyPeersUnavailable(FetchFailure.UNREACHABLE, "; ".join(refusals) or "no source left")
+    def _early_run(
+        self, assembly: _Assembly, peer: Announcement, manifest: RangeManifest, outer_step: int
+    ) -> _Run | None:
+        """The node part of the freshest peer, fetched before the shared root is agreed on: every range
+        is checked against its signed manifest, and none is used unless its shared root is agreed on."""
+        try:
+            self._check_metadata(manifest, outer_step)
+        except ManyPeersUnavailable:
+            return None  # (refused as the node part's source when its turn comes)
+        logger.info("node part from %s: fetching before the shared root is agreed on", peer.address)
+        return self._run(assembly, peer, manifest)
 
-    async def _fetch_with(
-        self, assembly: _Assembly, addresses: list[str], node_source: str, manifest: RangeManifest
-    ) -> None:
-        """One fetcher run: the shared ranges still missing from any of `addresses`, the whole node
-        part from `node_source`."""
-        node_jobs = [RangeJob(manifest.node, i, pinned=node_source) for i in range(len(manifest.node))]
-        missing = [i for i in range(len(manifest.shared)) if i not in assembly.shared_done]
-        jobs = node_jobs + [RangeJob(manifest.shared, i) for i in missing]
+    def _run(self, assembly: _Assembly, peer: Announcement, manifest: RangeManifest) -> _Run:
+        node_jobs = [RangeJob(manifest.node, i, pinned=peer.address) for i in range(len(manifest.node))]
 
         def deliver(job: RangeJob, data: bytes) -> None:
             start, stop = job.ranges.span(job.index)
@@ -275,20 +359,55 @@ class ManyPeerFetch:
             if self._on_bytes is not None:
                 self._on_bytes(len(data))
 
-        peers = [GrpcRangePeer(a, self._channels) for a in addresses]
-        fetcher = RangeFetcher(peers, jobs, deliver, on_failure=self._on_range_failure)
-        try:
-            await fetcher.run()
-        finally:
-            assembly.merge(fetcher.report)
+        peers = [GrpcRangePeer(peer.address, self._channels)]
+        fetcher = RangeFetcher(peers, node_jobs, deliver, on_failure=self._on_range_failure, open_ended=True)
+        return _Run(peer, manifest, assembly, fetcher, asyncio.create_task(fetcher.run()))
+
+    async def _fetch_blobs(
+        self,
+        assembly: _Assembly,
+        sources: list[tuple[Announcement, RangeManifest]],
+        outer_step: int,
+        early: _Run | None,
+    ) -> tuple[_Run, SnapshotMetadata]:
+        """Fills both blobs from `sources`, the node part from the first of them that serves it whole
+        (`early`: its fetch, if already started): a node-part peer that fails is dropped and its
+        successor's node part fetched instead, while the shared ranges already verified are kept."""
+        if early is not None and early.peer is not sources[0][0]:
+            logger.warning(
+                "%s's shared root is not the agreed one: its node part is not used", early.peer.address
+            )
+            await early.cancel()
+        refusals = []
+        for node_peer, manifest in sources:
+            if node_peer.address in assembly.dropped:
+                continue
+            addresses = [a.address for a, _ in sources if a.address not in assembly.dropped]
+            try:
+                meta = self._check_metadata(manifest, outer_step)
+                run = early if early is not None and early.peer is node_peer else None
+                run = run or self._run(assembly, node_peer, manifest)
+                await self._share(run, addresses, assembly)
+            except PeerFault as exc:
+                refusals.append(f"{node_peer.address}: {exc}")
+                assembly.dropped.add(node_peer.address)
+                continue
+            return run, meta
+        raise ManyPeersUnavailable(FetchFailure.UNREACHABLE, "; ".join(refusals) or "no source left")
+
+    async def _share(self, run: _Run, addresses: list[str], assembly: _Assembly) -> None:
+        """Completes `run` with the shared ranges still missing, from any of `addresses`."""
+        shared = run.manifest.shared
+        missing = [RangeJob(shared, i) for i in range(len(shared)) if i not in assembly.shared_done]
+        report = await run.share([GrpcRangePeer(a, self._channels) for a in addresses], missing)
         logger.info(
             "fetched %d shared + %d node ranges from %d peers: %s (failures %s, %d end-game copies)",
             len(missing),
-            len(node_jobs),
+            len(run.manifest.node),
             len(addresses),
-            dict(fetcher.report.ranges_per_peer),
-            dict(fetcher.report.failures) or "none",
-            fetcher.report.duplicates,
+            dict(report.ranges_per_peer),
+            dict(report.failures) or "none",
+            report.duplicates,
         )
 
     def _check_global_digest(self, shared: np.ndarray, meta: SnapshotMetadata) -> None:

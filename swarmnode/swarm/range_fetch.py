@@ -6,12 +6,16 @@ once none is left (the end game) — a copy of an unpinned range still in flight
 slow peer's last ranges are fetched again by a fast one and the first verified copy wins (the other is
 cancelled). A range that arrives is checked (size, sha256) before it is delivered.
 
+A fetch may be open-ended: it starts with some peers and jobs (recovery's node part, from one peer,
+before the shared part's root is agreed on) and takes more of both while it runs (`extend`) until told
+that no more will come (`close`); only then can it be over.
+
 Failure semantics: a range that fails goes back to the queue, never to the peer that failed it unless
 it is pinned there. A peer that sends a range of the wrong size or hash is lying and is dropped at once;
 one that times out or is refused is dropped after `max_failures`. Ranges may travel compressed
 (snapshot/ranges.py `decode_range`, bounded by the range's size): one that does not decode is a lie
 too. Every failure is counted by reason (`on_failure`). The fetch fails (`RangeFetchFailed`) only when
-a range has no peer left that could serve it; nothing is delivered twice.
+a range has no peer left, among those given so far, that could serve it; nothing is delivered twice.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def range_timeout_s(nbytes: int) -> float:
 
 
 class RangeFetcher:
-    """One fetch of `jobs` from `peers`; `deliver(job, data)` receives each verified range once."""
+    """One fetch of `jobs` from `peers`; `deliver(job, data)` receives each verified range once.
+    `open_ended`: more peers and jobs may come (`extend`) until `close`."""
 
     def __init__(
         self,
@@ -103,6 +108,7 @@ class RangeFetcher:
         streams_per_peer: int = STREAMS_PER_PEER,
         max_failures: int = MAX_FAILURES,
         on_failure: Callable[[str], None] | None = None,
+        open_ended: bool = False,
     ) -> None:
         self._peers, self._deliver, self._streams = list(peers), deliver, streams_per_peer
         self._max_failures, self._on_failure = max_failures, on_failure
@@ -115,16 +121,21 @@ class RangeFetcher:
         self._dropped: set[str] = set()
         self._changed = asyncio.Condition()
         self._stuck: RangeJob | None = None
+        self._closed = not open_ended
+        self._group: asyncio.TaskGroup | None = None
         self.report = FetchReport()
 
     async def run(self) -> FetchReport:
         """Fetches every job; raises RangeFetchFailed when one cannot be served by anyone left."""
+        self._check_stuck()  # (no peer at all)
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
+                group.create_task(self._until_over())  # keeps the group open for `extend`'s workers
                 for peer in self._peers:
-                    for _ in range(self._streams):
-                        group.create_task(self._worker(peer))
+                    self._start(peer)
         finally:  # a cancelled or failed fetch leaves no range request behind
+            self._group = None
             for copies in self._in_flight.values():
                 for task in copies.values():
                     task.cancel()
@@ -135,12 +146,46 @@ class RangeFetcher:
                 f"range {job.index} of {job.ranges.root[:12]}: no peer left to serve it "
                 f"(dropped: {', '.join(self.report.dropped) or 'none'})",
             )
+        assert len(self._done) == len(self._jobs), "a fetch over with ranges neither won nor stuck"
         return self.report
+
+    async def extend(self, peers: Sequence[RangePeer], jobs: Sequence[RangeJob]) -> None:
+        """More peers (one already here is kept as it is) and more jobs for an open-ended fetch, running
+        or not yet."""
+        assert not self._closed, "extending a fetch that was closed"
+        async with self._changed:
+            known = {p.name for p in self._peers}
+            for peer in peers:
+                if peer.name not in known:
+                    known.add(peer.name)
+                    self._peers.append(peer)
+                    if self._group is not None and not self._over():
+                        self._start(peer)
+            fresh = [job for job in jobs if job.key not in self._jobs]
+            self._jobs.update((job.key, job) for job in fresh)
+            self._pending.extend(fresh)
+            self._check_stuck()
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        """No more peers or jobs will come: the fetch is over once every job is done."""
+        async with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _start(self, peer: RangePeer) -> None:
+        assert self._group is not None
+        for _ in range(self._streams):
+            self._group.create_task(self._worker(peer))
+
+    async def _until_over(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(self._over)
 
     # ----- choosing work -----
 
     def _over(self) -> bool:
-        return len(self._done) == len(self._jobs) or self._stuck is not None
+        return (self._closed and len(self._done) == len(self._jobs)) or self._stuck is not None
 
     def _pick(self, peer: str) -> RangeJob | None:
         """The next range for `peer` (see the module docstring), without taking it."""
@@ -164,12 +209,20 @@ class RangeFetcher:
         return peer not in self._refused_by.get(job.key, ())
 
     def _check_stuck(self) -> None:
-        """A range nobody left may serve, with nothing in flight that could still deliver it."""
+        """A range nobody left may serve, with nothing in flight that could still deliver it: the fetch is
+        over, and nothing still in flight can help any more."""
+        if self._over():
+            return
         live = [p.name for p in self._peers if p.name not in self._dropped]
         for job in self._pending:
             if job.key not in self._in_flight and not any(self._may_serve(p, job) for p in live):
                 self._stuck = job
-                return
+                break
+        else:
+            return
+        for copies in self._in_flight.values():
+            for task in copies.values():
+                task.cancel()
 
     # ----- one worker per peer stream -----
 
@@ -223,12 +276,7 @@ class RangeFetcher:
             self._won(peer, job, *task.result(), copies)
         else:
             self._failed(peer, job, task.exception())
-        if not self._over():
-            self._check_stuck()
-        if self._stuck is not None:  # nothing in flight can help any more
-            for others in self._in_flight.values():
-                for other in others.values():
-                    other.cancel()
+        self._check_stuck()
 
     def _won(
         self, peer: str, job: RangeJob, data: bytes, sent: int, copies: dict[str, asyncio.Task[_Arrived]]

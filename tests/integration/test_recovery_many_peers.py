@@ -5,7 +5,8 @@ The swarm is built by recoveries, not by matchmaking (whose timing a loaded mach
 trains two rounds alone and holds (a fault pauses its training thread at inner step 45; its event loop
 serves on), then two more join, each recovering that state from the nodes before it and holding at its
 first inner step. All three then serve one agreed state at outer step 2 — the third one lying about
-every range it serves — when the joiner under test comes.
+every range it serves, the two honest ones taking `HONEST_RANGE_S` over each — when the joiner under
+test comes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ FIRST_HOLD = "sleep@inner_step#45=240"
 """The first node: two rounds alone (outer step 2 after inner step 40), then it holds."""
 JOINED_HOLD = "sleep@inner_step#1=240"
 """A node that joined: its recovered state (outer step 2) is announced, then it holds."""
+HONEST_RANGE_S = "sleep@serve_range=0.2"
+"""The honest nodes are slow to serve a range, so the liar's answers always arrive before an end-game
+copy from an honest node could win (the joiner's node-part peer, done with its node part early on a
+`tiny` state, copies ranges in flight at once) and are checked."""
 
 
 def announced(dht_port: int, node_id: str) -> Announcement | None:
@@ -50,12 +55,15 @@ def held(node: NodeProcess, inner_step: int, dht_port: int) -> bool:
 
 
 def test_recovers_from_three_peers_when_one_serves_corrupt_ranges(tmp_path: Path, reaper) -> None:
-    first = reaper.node(tmp_path / "n0", ARGS, faults=FIRST_HOLD).start()
+    first = reaper.node(tmp_path / "n0", ARGS, faults=f"{FIRST_HOLD},{HONEST_RANGE_S}").start()
     dht_port = first.wait_ready()["dht_port"]
     wait_for(lambda: held(first, 45, dht_port), 180, "the first node to hold at outer step 2")
     joined = ["--peers", f"127.0.0.1:{dht_port}"]
     members = [first]
-    for name, faults in (("n1", JOINED_HOLD), ("n2", f"{JOINED_HOLD},corrupt@serve_range")):
+    for name, faults in (
+        ("n1", f"{JOINED_HOLD},{HONEST_RANGE_S}"),
+        ("n2", f"{JOINED_HOLD},corrupt@serve_range"),
+    ):
         node = reaper.node(tmp_path / name, [*ARGS, *joined], faults=faults).start()
         node.wait_ready()
         wait_for(lambda n=node: held(n, 1, dht_port), 120, f"{name} to recover and hold")  # type: ignore

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -330,3 +333,278 @@ def test_a_blob_is_cut_into_ranges_straight_from_its_tensors() -> None:
     pieces = range_source.cut_blob(dict(tensors), shared_layout(template), RANGE)
     assert b"".join(pieces) == joined and all(len(p) == RANGE for p in pieces[:-1])
     assert range_source.hashed(pieces, RANGE).root == RangeList.of(joined, RANGE).root
+
+
+# ----- an open-ended fetch -----
+
+
+def test_an_open_ended_fetch_takes_more_peers_and_ranges_while_it_runs_and_ends_only_when_closed() -> None:
+    """Recovery's node part starts from one peer before the shared root is agreed on; the shared ranges
+    and their peers join the same fetch later, and that peer still serves its pinned ranges first."""
+    shared, shared_ranges = blob(8)
+    node, node_ranges = blob(6)
+    blobs = {shared_ranges.root: shared, node_ranges.root: node}
+    lists = {shared_ranges.root: shared_ranges, node_ranges.root: node_ranges}
+    pinned, a, b = (FakePeer(n, blobs, lists, delay_s=0.002) for n in ("pinned", "a", "b"))
+    order: list[tuple[str, int]] = []
+    fetch_of_pinned = pinned.fetch
+
+    async def logged(root: str, index: int, timeout_s: float) -> tuple[str, bytes]:
+        order.append((root, index))
+        return await fetch_of_pinned(root, index, timeout_s)
+
+    pinned.fetch = logged  # type: ignore[method-assign]
+    got: dict[tuple[str, int], bytes] = {}
+
+    def deliver(job: RangeJob, data: bytes) -> None:
+        assert job.key not in got, "delivered twice"
+        got[job.key] = data
+
+    async def main() -> None:
+        node_jobs = [RangeJob(node_ranges, i, pinned="pinned") for i in range(6)]
+        fetcher = RangeFetcher([pinned], node_jobs[:2], deliver, open_ended=True)
+        run = asyncio.create_task(fetcher.run())
+        while len(got) < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert not run.done()  # every range given so far is in, but more may come
+        await fetcher.extend([pinned, a, b], node_jobs[2:] + [RangeJob(shared_ranges, i) for i in range(8)])
+        await fetcher.close()
+        await asyncio.wait_for(run, 10)
+
+    asyncio.run(main())
+    assert len(got) == 14
+    assert b"".join(got[(shared_ranges.root, i)] for i in range(8)) == shared
+    assert b"".join(got[(node_ranges.root, i)] for i in range(6)) == node
+    # The pinned peer took a shared range only once its last pinned one was asked for.
+    last_pinned = max(i for i, (root, _) in enumerate(order) if root == node_ranges.root)
+    assert all(root == node_ranges.root for root, _ in order[:last_pinned])
+    assert a.asked + b.asked + len(order) <= 14 + 2 * 3  # at most the end game's copies beyond each once
+
+
+def test_an_open_ended_fetch_fails_at_once_when_its_pinned_peer_lies() -> None:
+    node, ranges = blob(3)
+    blobs, lists = {ranges.root: node}, {ranges.root: ranges}
+    liar = FakePeer("liar", blobs, lists, corrupt=True)
+    jobs = [RangeJob(ranges, i, pinned="liar") for i in range(3)]
+    fetcher = RangeFetcher([liar], jobs, lambda job, data: None, open_ended=True)
+    with pytest.raises(RangeFetchFailed, match="no peer left"):
+        asyncio.run(asyncio.wait_for(fetcher.run(), 10))  # not left waiting for a `close`
+
+
+# ----- the node part first -----
+
+WIDE = {name: (torch.float32, (3 * RANGE // 4,)) for name in TEMPLATE}
+"""Shared part and node part of 6 ranges each."""
+
+
+def metadata_json(signer: int, global_digest: str, inner_step: int) -> str:
+    cursor = {"shard": 0, "epoch": 0, "position": 0}
+    return json.dumps(
+        {
+            **{"run_id": "r", "node_id": PEERS[signer].node_id_hex, "run_digest": "b" * 64},
+            **{"corpus_digest": "d" * 64, "model": "tiny", "outer_step": 2, "inner_step": inner_step},
+            **{"round_step": 0, "round_tokens": 0, "tokens": 0, "last_loss": None, "heldout_loss": None},
+            **{"cursor": cursor, "committed_cursor": cursor, "swarm_cursors": {}, "last_round": None},
+            **{"global_digest": global_digest, "optimizer": {"adam_step": 9, "schedule_step": 9}},
+            **{"created_at": 1.0, "kind": "cold", "layout": "planes"},
+        }
+    )
+
+
+class RangeServer:
+    """A fake peer at outer step 2 serving `shared` and a node part of its own. Its manifest waits for
+    `manifest_gate` (a snapshot still being read) and can be of another shared state; `dies_after`:
+    it stops answering range requests after that many."""
+
+    def __init__(self, signer: int, shared: bytes, inner_step: int, **how: object) -> None:
+        self.address, self.signer = f"10.0.0.{signer}:1", signer
+        self.node = os.urandom(6 * RANGE)
+        self.shared = shared
+        digest = hashlib.sha256(shared[: 3 * RANGE]).hexdigest()
+        manifest = RangeManifest(
+            2,
+            "c" * 64,
+            RangeList.of(shared, RANGE),
+            RangeList.of(self.node, RANGE),
+            metadata_json(signer, digest, inner_step),
+        )
+        self.manifest = manifest.signed(PEERS[signer])
+        self.announcement = Announcement(
+            PEERS[signer].node_id_hex, self.address, "c" * 64, 1000, 2, inner_step, "cold", 1.0, "b" * 64
+        )
+        self.manifest_gate: asyncio.Event | None = how.get("manifest_gate")  # type: ignore[assignment]
+        self.dies_after = int(how.get("dies_after", 1 << 30))  # type: ignore[call-overload]
+        self.manifest_asked_at: float | None = None
+        self.asks: list[tuple[str, int]] = []
+        self.node_served = asyncio.Event()
+        self.active = 0
+
+    async def get_manifest(self) -> RangeManifest:
+        self.manifest_asked_at = time.monotonic()
+        if self.manifest_gate is not None:
+            await self.manifest_gate.wait()
+        return self.manifest
+
+    async def fetch(self, root: str, index: int) -> tuple[str, bytes]:
+        self.asks.append((root, index))
+        if len(self.asks) > self.dies_after:
+            raise PeerFault(FetchFailure.UNREACHABLE, f"{self.address} is down")
+        self.active += 1
+        try:
+            await asyncio.sleep(0.002)
+        finally:
+            self.active -= 1
+        data = self.node if root == self.manifest.node.root else self.shared
+        start, stop = RangeList.of(data, RANGE).span(index)
+        if root == self.manifest.node.root:
+            self.node_served.set()
+        return RAW, data[start:stop]
+
+
+def serve(monkeypatch: pytest.MonkeyPatch, servers: list[RangeServer]) -> None:
+    by_address = {s.address: s for s in servers}
+
+    async def get_range_manifest(address: str, outer_step: int, *args: object) -> RangeManifest:
+        return await by_address[address].get_manifest()
+
+    async def fetch_range(address: str, root: str, index: int, *args: object) -> tuple[str, bytes]:
+        return await by_address[address].fetch(root, index)
+
+    monkeypatch.setattr(many_peers.state_ranges, "get_range_manifest", get_range_manifest)
+    monkeypatch.setattr(many_peers.state_ranges, "fetch_range", fetch_range)
+
+
+def node_bytes(state: many_peers.RangedState) -> bytes:
+    tensors = state.loaded.tensors
+    return tensors["inner/w/exp_avg"].numpy().tobytes() + tensors["inner/w/exp_avg_sq"].numpy().tobytes()
+
+
+def test_the_node_part_starts_before_the_slower_peers_manifests_are_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node part from one peer is the long pole: the freshest peer is asked for its manifest first
+    and its node ranges go out before the others have even answered (they answer here only once one
+    of its node ranges was served: without the head start the fetch would never begin)."""
+    shared = os.urandom(6 * RANGE)
+
+    async def main() -> tuple[RangeServer, list[RangeServer], many_peers.RangedState]:
+        head = RangeServer(1, shared, inner_step=12)
+        others = [RangeServer(i, shared, inner_step=10, manifest_gate=head.node_served) for i in (2, 3)]
+        serve(monkeypatch, [head, *others])
+        fetch = ManyPeerFetch(WIDE, "b" * 64, max_peers=3)
+        state = await asyncio.wait_for(fetch.fetch([s.announcement for s in (*others, head)], 2), 20)
+        return head, others, state
+
+    head, others, state = asyncio.run(main())
+    assert state.node_peer.address == head.address and node_bytes(state) == head.node
+    assert state.loaded.tensors["global/w"].numpy().tobytes() == shared[: 3 * RANGE]
+    assert state.stages_s["node_part_start"] < state.stages_s["manifests"]
+    assert head.manifest_asked_at is not None
+    assert all(
+        o.manifest_asked_at is not None and o.manifest_asked_at >= head.manifest_asked_at for o in others
+    )
+    # Nothing fetched twice beyond the end game: each node range once, from its peer alone.
+    asks = Counter(key for s in (head, *others) for key in s.asks)
+    assert all(asks[(head.manifest.node.root, i)] == 1 for i in range(6))
+    assert not any(root == o.manifest.node.root for o in others for root, _ in o.asks)
+    shared_root = head.manifest.shared.root
+    assert sum(asks[(shared_root, i)] for i in range(6)) <= 6 + 2 * 3
+
+
+def test_the_others_are_asked_after_the_head_start_when_the_freshest_peer_is_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = os.urandom(6 * RANGE)
+    monkeypatch.setattr(many_peers, "HEAD_START_S", 0.05)
+
+    async def main() -> tuple[RangeServer, list[RangeServer], many_peers.RangedState]:
+        others = [RangeServer(2, shared, inner_step=11), RangeServer(3, shared, inner_step=10)]
+        head = RangeServer(1, shared, inner_step=12, manifest_gate=asyncio.Event())  # never answers
+        serve(monkeypatch, [head, *others])
+        monkeypatch.setattr(many_peers, "AGREEMENT_GRACE_S", 0.05)
+        fetch = ManyPeerFetch(WIDE, "b" * 64, max_peers=3)
+        state = await asyncio.wait_for(fetch.fetch([s.announcement for s in (head, *others)], 2), 20)
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # its manifest is not waited for any more
+        return head, others, state
+
+    head, others, state = asyncio.run(main())
+    assert head.manifest_asked_at is not None
+    assert all(
+        o.manifest_asked_at is not None and o.manifest_asked_at >= head.manifest_asked_at + 0.04
+        for o in others
+    )
+    assert state.node_peer.address == others[0].address and node_bytes(state) == others[0].node
+    assert state.loaded.tensors["global/w"].numpy().tobytes() == shared[: 3 * RANGE]
+
+
+def test_a_node_part_source_whose_shared_root_is_not_agreed_on_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The freshest peer's node part is fetched early, but that peer holds another shared state (stale,
+    or lying): once the others agree, its fetch is cancelled and the node part comes from the freshest
+    agreeing peer; the state is theirs alone."""
+    agreed = os.urandom(6 * RANGE)
+
+    async def main() -> tuple[RangeServer, list[RangeServer], many_peers.RangedState]:
+        stale = RangeServer(1, os.urandom(6 * RANGE), inner_step=12)
+        others = [
+            RangeServer(2, agreed, inner_step=11, manifest_gate=stale.node_served),
+            RangeServer(3, agreed, inner_step=10, manifest_gate=stale.node_served),
+        ]
+        serve(monkeypatch, [stale, *others])
+        fetch = ManyPeerFetch(WIDE, "b" * 64, max_peers=3)
+        try:
+            state = await asyncio.wait_for(fetch.fetch([s.announcement for s in (stale, *others)], 2), 20)
+        finally:
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+        return stale, others, state
+
+    stale, others, state = asyncio.run(main())
+    assert stale.asks and stale.active == 0  # its node part was started, then cancelled
+    assert all(root == stale.manifest.node.root for root, _ in stale.asks)
+    assert state.node_peer.address == others[0].address and node_bytes(state) == others[0].node
+    assert state.loaded.tensors["global/w"].numpy().tobytes() == agreed[: 3 * RANGE]
+    assert sorted(state.peers) == sorted(o.address for o in others)
+
+
+def test_a_node_part_source_that_dies_mid_way_is_replaced_and_the_shared_ranges_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = os.urandom(6 * RANGE)
+
+    async def main() -> tuple[list[RangeServer], many_peers.RangedState]:
+        servers = [RangeServer(1, shared, inner_step=12, dies_after=3)]
+        servers += [RangeServer(2, shared, inner_step=11), RangeServer(3, shared, inner_step=10)]
+        serve(monkeypatch, servers)
+        fetch = ManyPeerFetch(WIDE, "b" * 64, max_peers=3)
+        try:
+            state = await asyncio.wait_for(fetch.fetch([s.announcement for s in servers], 2), 20)
+        finally:
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+        return servers, state
+
+    servers, state = asyncio.run(main())
+    assert state.node_peer.address == servers[1].address and node_bytes(state) == servers[1].node
+    assert state.loaded.tensors["global/w"].numpy().tobytes() == shared[: 3 * RANGE]
+    shared_root = servers[1].manifest.shared.root
+    asks = Counter(key for s in servers for key in s.asks if key[0] == shared_root)
+    assert sum(asks.values()) <= 6 + 2 * 3  # the shared ranges were not all fetched again
+
+
+def test_no_agreement_cancels_the_node_part_already_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> list[RangeServer]:
+        head = RangeServer(1, os.urandom(6 * RANGE), inner_step=12)
+        servers = [head] + [
+            RangeServer(i, os.urandom(6 * RANGE), inner_step=10, manifest_gate=head.node_served)
+            for i in (2, 3)
+        ]
+        serve(monkeypatch, servers)
+        fetch = ManyPeerFetch(WIDE, "b" * 64, max_peers=3)
+        with pytest.raises(ManyPeersUnavailable, match="agree"):
+            await asyncio.wait_for(fetch.fetch([s.announcement for s in servers], 2), 20)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        return servers
+
+    servers = asyncio.run(main())
+    assert servers[0].asks and servers[0].active == 0
