@@ -6,7 +6,7 @@ without a network, at equal tokens per worker; the held-out loss of each side af
   when every round's group is whole (`bench/swarm_quality.py` checks that on real processes).
 - Synchronous DP: one model whose every AdamW step takes the W workers' batches together (W× batch:
   the mean gradient an all-reduce every step would give), H·R steps.
-- One worker: one model on shard 0, H·R steps of the same batch.
+- One worker: one model on the whole corpus (no shard: it trains alone), H·R steps of the same batch.
 
 Every side runs the same schedule shape (linear warm-up over `WARMUP_FRACTION` of the steps, then a
 cosine to 10% of the peak) at its own peak learning rate, each side's best from the sweep (never a
@@ -58,15 +58,17 @@ TIMEOUT_S = 4 * 3600.0
 SIDE_PROCESSES = 3
 """Worker processes at once (the three sides of a comparison; a sweep's jobs queue for them)."""
 
-# The defaults, chosen by `swarmnode bench quality --sweep` (README "Performance"): each side's best
-# peak learning rate, DiLoCo's best outer learning rate and H with DP bytes / DiLoCo bytes ≥ 100.
+# The defaults (README "Model quality"): H, outer lr, momentum and the merge from the sweep and the
+# 20-round screen (DiLoCo's best H with DP bytes / DiLoCo bytes ≥ 100); each side's peak learning rate
+# its best at the default length. 80 rounds, because at 40 the comparison had not settled: DiLoCo / DP
+# fell from 1.17 (round 20) to 1.11 (40) and only levels out at 1.04-1.06 from round 60.
 DEFAULT_WORKERS = 4
 DEFAULT_INNER_STEPS = 100
-DEFAULT_ROUNDS = 40
+DEFAULT_ROUNDS = 80
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_OUTER_MIX = 0.5
-DEFAULT_LR = {"diloco": 3e-3, "dp": 8e-3, "single": 4e-3}
+DEFAULT_LR = {"diloco": 3e-3, "dp": 1.6e-2, "single": 2e-3}
 
 
 OVERLAP_SHARE = 0.25
@@ -293,8 +295,11 @@ def _data_parallel_rounds(corpus: Corpus, job: SideJob) -> Any:
 
 
 def _single_rounds(corpus: Corpus, job: SideJob) -> Any:
+    """One model alone on the whole corpus: a worker that trains alone has no shard. On shard 0 of W it
+    would see 1/W of the text, and past one epoch of it (`tiny` at 40 rounds: 3.5) overfit that shard, a
+    baseline weakened by its data, not by training alone."""
     trainer = trainer_for(corpus, job)
-    shard_loader = loader(corpus, 0, job.workers)
+    shard_loader = loader(corpus, 0, 1)
     yield trainer, False
     for _ in range(job.rounds):
         for _ in range(job.inner_steps):

@@ -140,3 +140,21 @@ def test_the_fragments_variant_measures_after_every_h_steps_at_equal_tokens() ->
     assert len(curve.losses) == len(blocking.losses) == 3 and curve.tokens == blocking.tokens
     assert curve.losses[0] == blocking.losses[0] and curve.losses[-1] != blocking.losses[-1]
     assert curve.losses[-1] < curve.losses[0]
+
+
+def test_one_worker_trains_on_the_whole_corpus_and_the_workers_on_their_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, int]] = []
+    real_loader = quality.loader
+
+    def recording_loader(corpus: object, shard: int, workers: int) -> object:
+        asked.append((shard, workers))
+        return real_loader(corpus, shard, workers)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quality, "loader", recording_loader)
+    quality.train_side(SideJob(Side.SINGLE, "tiny", 4, 1, 1, 2e-3))
+    assert asked[1:] == [(0, 1)]  # asked[0]: the held-out batches, the same for every side
+    asked.clear()
+    quality.train_side(SideJob(Side.DILOCO, "tiny", 2, 1, 1, 2e-3))
+    assert asked[1:] == [(0, 2), (1, 2)]
