@@ -161,14 +161,14 @@ class DilocoTrainer:
         saved = torch.empty_like(self.global_flat) if use_global else None
         if saved is not None:
             self._copy_local_to(saved)
-            self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
+            self._set_local(self.global_flat, 0)
         self.model.eval()
         losses = [
             float(self.model.loss(b.inputs.to(self.device), b.targets.to(self.device)))  # type: ignore
             for b in batches
         ]
         if saved is not None:
-            self._copy_to_local(saved, ((0, saved.numel()),))
+            self._set_local(saved, 0)
         return sum(losses) / len(losses)
 
     # ----- the outer step -----
@@ -267,14 +267,6 @@ class DilocoTrainer:
         for slot, p in zip(self.slots, self.params, strict=True):
             flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
 
-    def _copy_to_local(self, flat: torch.Tensor, ranges: Sequence[Range]) -> None:
-        for slot, p in zip(self.slots, self.params, strict=True):
-            local = p.data.view(-1)
-            for a, b in ranges:
-                lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
-                if lo < hi:
-                    local[lo - slot.offset : hi - slot.offset].copy_(flat[lo:hi])
-
     # ----- the training state as named tensors -----
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -312,7 +304,7 @@ class DilocoTrainer:
     @torch.no_grad()
     def reset_local_to_global(self) -> None:
         """θ ← θ_g everywhere (a node adopting the swarm's state starts its round from it)."""
-        self._copy_to_local(self.global_flat, ((0, self.global_flat.numel()),))
+        self._set_local(self.global_flat, 0)
 
     @torch.no_grad()
     def load_state(
