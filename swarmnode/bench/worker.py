@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from swarmnode.net import rpc, snapshot_server
+from swarmnode.net.bulk import BulkListener
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.snapshot.checkpointer import read_local_snapshot
@@ -201,7 +202,10 @@ async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = N
         trust = AveragingTrust.for_node(identity, security.mutual_tls)
     rpc.configure_client(security)
     ratio = math.inf if trust_mode == "plain" else DEFAULT_MAX_NORM_RATIO
-    servicer = AveragingServicer(node_id, trust=trust, max_norm_ratio=ratio)
+    lanes = None if security.tls else BulkListener()  # as a node: bulk lanes on plaintext swarms
+    if lanes is not None:
+        await lanes.start("127.0.0.1")
+    servicer = AveragingServicer(node_id, trust=trust, max_norm_ratio=ratio, lanes=lanes)
     server = await snapshot_server.start_server(
         "127.0.0.1",
         0,
@@ -217,6 +221,8 @@ async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = N
     finally:
         await channels.close()
         await server.stop(0)
+        if lanes is not None:
+            await lanes.close()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class NodeConfig:
     grpc_port: int = 50051
     dht_port: int = 8468
     metrics_port: int = 9464
+    bulk_port: int | None = 0
     model: str = "small"
     data: str | None = None
     device: str = "auto"
@@ -220,6 +221,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _bulk_port(text: str) -> int | None:
+    if text == "off":
+        return None
+    try:
+        return _port(text)
+    except ValueError:
+        raise ValueError("must be a port number 0-65535 (0 = pick a free port) or off") from None
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value != value or value == float("inf"):
@@ -330,6 +340,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("grpc_port", _port, "gRPC port for snapshots, status and averaging (0 = pick a free port)"),
     Flag("dht_port", _port, "UDP port of the Kademlia DHT (0 = pick a free port)"),
     Flag("metrics_port", _port, "Prometheus /metrics port (0 = pick a free port)"),
+    Flag(
+        "bulk_port",
+        _bulk_port,
+        "TCP port of the all-reduce's bulk lane, beside gRPC on plaintext swarms (0 = pick a free "
+        "port; off = every byte over gRPC); a peer that cannot reach it uses gRPC",
+    ),
     Flag(
         "model",
         _choice(MODEL_PRESETS),

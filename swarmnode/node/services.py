@@ -26,6 +26,7 @@ from prometheus_client import start_http_server
 
 from swarmnode.core.training import TrainingRun, TrainingSample
 from swarmnode.net import rpc, snapshot_server
+from swarmnode.net.bulk import BulkListener
 from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.dial_back import DialBackServicer
 from swarmnode.net.identity import Identity
@@ -56,6 +57,8 @@ class Ports:
     grpc: int = 0
     dht: int = 0
     metrics: int = 0
+    bulk: int = 0
+    """0: no bulk lane (--bulk-port off, or a TLS swarm)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ async def start_services(
     stack.push_async_callback(asyncio.to_thread, checkpointer.close)  # after the server that serves it
     proposals = _Proposals()
     trust = AveragingTrust.for_node(identity, security.mutual_tls)
+    lanes = await _start_bulk_lanes(stack, cfg, security)
+    ports.bulk = lanes.port if lanes is not None else 0
     averaging = AveragingServicer(
         node_id,
         on_proposal=proposals,
@@ -117,6 +122,7 @@ async def start_services(
         trust=trust,
         max_norm_ratio=cfg.max_norm_ratio,
         on_excluded=lambda reason: metrics.averaging_excluded.labels(reason).inc(),
+        lanes=lanes,
     )
     dial_back = DialBackServicer(on_dial=lambda result: metrics.dial_backs.labels(result).inc())
     mode = initial_mode(cfg.reachable, bool(cfg.peers))
@@ -252,6 +258,20 @@ async def _start_rpc(
     return server.port
 
 
+async def _start_bulk_lanes(
+    stack: contextlib.AsyncExitStack, cfg: NodeConfig, security: Security
+) -> BulkListener | None:
+    """The listener of the all-reduce's bulk lanes: none with --bulk-port off, nor on a TLS swarm (a
+    lane is plaintext; `net/bulk.py`)."""
+    if cfg.bulk_port is None or security.tls:
+        return None
+    lanes = BulkListener()
+    with _binding("--bulk-port", cfg.host, cfg.bulk_port):
+        await lanes.start(cfg.host, cfg.bulk_port)
+    stack.push_async_callback(lanes.close)
+    return lanes
+
+
 async def _start_dht(
     stack: contextlib.AsyncExitStack, dht: SwarmDHT, cfg: NodeConfig, metrics: Metrics
 ) -> None:
@@ -263,9 +283,10 @@ async def _start_dht(
 
 def _log_listening(cfg: NodeConfig, ports: Ports) -> None:
     logger.info(
-        "listening on %s: gRPC %d, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
+        "listening on %s: gRPC %d, bulk lane %s, DHT (UDP) %d, metrics http://%s:%d/metrics; advertising %s",
         cfg.host,
         ports.grpc,
+        ports.bulk or "off",
         ports.dht,
         cfg.host,
         ports.metrics,
@@ -321,6 +342,7 @@ def write_node_file(cfg: NodeConfig, ports: Ports, run: TrainingRun) -> None:
         "grpc_port": ports.grpc,
         "dht_port": ports.dht,
         "metrics_port": ports.metrics,
+        "bulk_port": ports.bulk,
         "run_digest": run.identity.run_digest,
         "shard": run.loader.shard,
     }

@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from swarmnode.core.diloco import AveragedDelta, Range
-from swarmnode.net import rpc
+from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
 from swarmnode.swarm import codecs, wire
@@ -49,6 +50,7 @@ from swarmnode.swarm.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.wire import EXCHANGE_METHOD, GroupSpec
 from swarmnode.util import faults
 from swarmnode.util.aio import settle
+from swarmnode.util.validate import parse_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ class _Butterfly:
         self.parts: dict[int, _Part] = {}
         """The parts whose average arrived whole."""
         self.decodes: list[asyncio.Future[Any]] = []
+        self.lanes: dict[int, socket.socket] = {}
+        """The bulk lanes (`net/bulk.py`) of the calls that moved their part to one, by reducer."""
         self.bytes_sent, self.parts_out = 0, 0
         self.sends_over: set[int] = set()
         self.sends_done = asyncio.Event()
@@ -298,6 +302,9 @@ class _Butterfly:
         finally:
             call.cancel()
             await settle(writer)
+            lane = self.lanes.pop(k, None)
+            if lane is not None:
+                lane.close()
 
     async def _write(self, call: Any, k: int) -> None:
         header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
@@ -306,20 +313,51 @@ class _Butterfly:
             await call.write(pb.Contribution(header=header))
             # Stream only once the reducer admitted the header: writing into a call that it refused
             # turns the call's status into INTERNAL (grpc.aio), which would hide why it refused.
-            if tuple(await call.initial_metadata()) != wire.ADMITTED:
+            metadata = tuple(await call.initial_metadata())
+            if wire.ADMITTED[0] not in metadata:
                 return
-            for message, size in wire.chunk_messages(
-                self.images.get(k, memoryview(b"")), self.signatures.get(k, ())
-            ):
-                self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
-                await call.write(message)
+            image, signatures = self.images.get(k, memoryview(b"")), self.signatures.get(k, ())
+            if image and await self._move_to_lane(call, k, metadata):
+                await self._send_on_lane(self.lanes[k], image, signatures)
+            else:
+                for message, size in wire.chunk_messages(image, signatures):
+                    self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
+                    await call.write(message)
             await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            return  # the call ended; its reader reports why
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError):
+            return  # the call (or its lane) ended; its reader reports why
         self._send_over(k)
         self.parts_out += 1
         if self.parts_out < len(self.peers):
             await faults.ahit("allreduce_send")  # before the next part, as if they went one at a time
+
+    async def _move_to_lane(self, call: Any, k: int, metadata: tuple[Any, ...]) -> bool:
+        """Opens the bulk lane reducer k offered (none on a TLS swarm: the lane is plaintext) and tells
+        it the part follows there; False (the part goes in messages) if none was offered or it
+        cannot be reached."""
+        offer = bulk.parse_offer(metadata)
+        if offer is None or rpc.client_security().tls:
+            return False
+        host, _ = parse_host_port(self.spec.members[k].address)
+        budget = self.collect_deadline - asyncio.get_running_loop().time()
+        lane = await bulk.dial(host, *offer, timeout_s=max(0.1, min(bulk.DIAL_TIMEOUT_S, budget)))
+        if lane is None:
+            return False
+        self.lanes[k] = lane
+        await call.write(wire.BULK_MARKER)
+        return True
+
+    async def _send_on_lane(
+        self, lane: socket.socket, image: memoryview, signatures: Sequence[bytes]
+    ) -> None:
+        if not signatures:
+            self.bytes_sent += len(image)  # counted before the await: see `AllReduceResult.bytes_sent`
+            await bulk.send(lane, image)
+            return
+        for chunk, signature in zip(wire.chunks(image), signatures, strict=True):
+            self.bytes_sent += len(chunk)
+            await bulk.send(lane, chunk)
+            await bulk.send(lane, signature)
 
     def _send_over(self, k: int) -> None:
         self.sends_over.add(k)
@@ -341,6 +379,16 @@ class _Butterfly:
         size = codecs.encoded_size(h.wire_dtype, hi - lo)
         image = codecs.writable_image(self.out[lo:hi]) if fp32 else bytearray(size)
         got = 0
+        if h.bulk:  # the reducer answers on the lane our part went by
+            lane = self.lanes.get(k)
+            if lane is None:
+                return None
+            try:
+                await bulk.receive_into(lane, memoryview(image).cast("B"))
+            except OSError as exc:
+                logger.info("group %s: member %d's result was cut short: %s", self.spec.group_id, k, exc)
+                return None
+            got = len(image)
         while got < len(image):
             msg = await call.read()
             if msg is _EOF:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from swarmnode.net import rpc
+from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, grouping, wire
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
@@ -71,6 +72,16 @@ _CODES = {
 }
 Contribution = tuple[int, float, "torch.Tensor | bytearray"]
 """(member index, token weight, values or their wire image)."""
+
+
+@dataclass
+class _Lane:
+    """The bulk lane a reducer offered one call (`net/bulk.py`): its ticket, the connection that
+    presents it, and that connection once the sender moved its part there."""
+
+    ticket: bytes
+    arrival: asyncio.Future[socket.socket]
+    taken: socket.socket | None = None
 
 
 class _Refused(Exception):
@@ -206,11 +217,13 @@ class _PartRound:
             raise _invalid(f"sizes {h.total_elements}/{h.part_elements}, not {self.total}/{self.part_len}")
 
     async def collect(
-        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust
+        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, lane: _Lane | None
     ) -> Averaged:
-        """Receives a sender's contribution, then waits for this part's result (a late sender gets
-        the result too: its reception is cut short)."""
-        receiving = asyncio.create_task(self._receive(context, sender, h, trust), name=f"receive-{sender}")
+        """Receives a sender's contribution (over the call, or the bulk lane offered to it), then waits
+        for this part's result (a late sender gets the result too: its reception is cut short)."""
+        receiving = asyncio.create_task(
+            self._receive(context, sender, h, trust, lane), name=f"receive-{sender}"
+        )
         try:
             await asyncio.wait((receiving, self.result), return_when=asyncio.FIRST_COMPLETED)
             if receiving.done():
@@ -220,15 +233,18 @@ class _PartRound:
             await _settle(receiving)
 
     async def _receive(
-        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust
+        self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, lane: _Lane | None
     ) -> None:
         image = bytearray(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
         got, index = 0, 0
         while got < len(image):
             msg = await context.read()
+            if lane is not None and got == 0 and msg == wire.BULK_MARKER:
+                if not await self._receive_on_lane(lane, sender, h, trust, image):
+                    return
+                break
             if msg is _EOF:  # the call broke (or the sender gave up) before the whole part
-                self.open.discard(sender)
-                self.give_up(sender)
+                self._lost(sender)
                 return
             try:
                 size, signature = wire.take_chunk(msg, image, got, pb.Contribution)
@@ -252,6 +268,40 @@ class _PartRound:
             return
         self.contributions[sender] = (weight, image)
         self.give_up(sender)
+
+    def _lost(self, sender: int) -> None:
+        """The sender's part stopped before its end: it will not deliver."""
+        self.open.discard(sender)
+        self.give_up(sender)
+
+    async def _receive_on_lane(
+        self, lane: _Lane, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, image: bytearray
+    ) -> bool:
+        """Receives the part on the bulk lane the sender moved to (each chunk followed by its signature
+        when the header is signed); False if it ended early. `_Refused` if the lane never came or a
+        chunk's signature does not verify."""
+        try:
+            lane.taken = await asyncio.wait_for(asyncio.shield(lane.arrival), HEADER_TIMEOUT_S)
+        except TimeoutError:
+            raise _invalid("the sender moved to the bulk lane but never connected") from None
+        signature = bytearray(wire.SIGNATURE_BYTES if h.signature else 0)
+        view = memoryview(image)
+        for index, offset in enumerate(range(0, len(image), rpc.CHUNK_BYTES)):
+            chunk = view[offset : offset + rpc.CHUNK_BYTES]
+            try:
+                await bulk.receive_into(lane.taken, chunk)
+                await bulk.receive_into(lane.taken, memoryview(signature))
+            except OSError:
+                self._lost(sender)
+                return False
+            # sha256 and Ed25519 of up to 1 MiB: off the loop, like the member side's signing
+            if trust.signs_chunks and not await asyncio.to_thread(
+                trust.chunk_ok, h, self.spec, index, chunk, bytes(signature)
+            ):
+                raise _denied(
+                    AveragingReject.BAD_SIGNATURE, f"chunk {index} of member {sender}: bad signature"
+                )
+        return True
 
 
 class LocalReduction:
@@ -376,6 +426,7 @@ class AveragingServicer:
         trust: AveragingTrust = UNCHECKED,
         max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
         on_excluded: Callable[[str], None] | None = None,
+        lanes: bulk.BulkListener | None = None,
     ) -> None:
         """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
         valid group that names it); `on_rejected(reason)` counts requests refused as bad, late or
@@ -383,11 +434,13 @@ class AveragingServicer:
         led in that round, for a client member's `AwaitGroup` (None: it led none); `trust` signs and
         checks who speaks (`trust.py`; the default trusts every header: in-process tests only);
         `max_norm_ratio` is the robust aggregation's bound and `on_excluded(reason)` counts the
-        contributions it leaves out."""
+        contributions it leaves out; `lanes`: the started listener whose bulk lanes this node offers
+        its callers (None: every byte goes over gRPC; never with TLS, see `net/bulk.py`)."""
         self.node_id = node_id
         self.led_group = led_group
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
         self.trust, self.max_norm_ratio, self._on_excluded = trust, max_norm_ratio, on_excluded
+        self.lanes = lanes
         self._logged_exclusions: set[str] = set()
         self._rounds: dict[str, _PartRound] = {}
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
@@ -507,15 +560,17 @@ class AveragingServicer:
             return False
 
     async def Exchange(self, request_iterator: Any, context: Any) -> None:
-        rnd, sender = None, -1
+        rnd, sender, lane = None, -1, None
         try:
             header = await _read_header(context)
             rnd = self._round_for(header.group_id)
             sender = rnd.attach(header, self.trust.speaker(header, context, rnd.spec))
-            await context.send_initial_metadata(wire.ADMITTED)
+            lane = self._offer_lane()
+            offer = (bulk.offer_metadata(self.lanes.port, lane.ticket),) if self.lanes and lane else ()
+            await context.send_initial_metadata(wire.ADMITTED + offer)
             await rnd.wait_started(header)
-            averaged = await rnd.collect(context, sender, header, self.trust)
-            await _send_result(context, rnd, averaged)
+            averaged = await rnd.collect(context, sender, header, self.trust, lane)
+            await _send_result(context, rnd, averaged, lane.taken if lane else None)
         except _Refused as exc:
             if exc.reason != "unknown_group":  # not yet known: the sender asks again
                 self._reject(exc.reason)
@@ -524,6 +579,12 @@ class AveragingServicer:
         finally:
             if rnd is not None and sender >= 0:
                 rnd.detach(sender)
+            if lane is not None and self.lanes is not None:
+                self.lanes.release(lane.ticket, lane.arrival)
+
+    def _offer_lane(self) -> _Lane | None:
+        offered = self.lanes.offer() if self.lanes is not None else None
+        return _Lane(*offered) if offered is not None else None
 
     def _round_for(self, group_id: str) -> _PartRound:
         self._forget_expired()
@@ -567,14 +628,22 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
     return first.header
 
 
-async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged) -> None:
+async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged, lane: socket.socket | None) -> None:
+    """The part's average to one caller: its header on the call, its image on the caller's bulk lane
+    when its contribution came that way, else in chunk messages."""
     header = pb.AveragedHeader(
         contributors=averaged.contributors,
         part_elements=rnd.part_len,
         wire_dtype=rnd.spec.wire_dtype,
         included=averaged.included,
+        bulk=lane is not None and averaged.image is not None,
     )
     await context.write(pb.AveragedPart(header=header))
+    if header.bulk and lane is not None and averaged.image is not None:
+        rnd.result_bytes += len(averaged.image)  # counted before the await, as below
+        with contextlib.suppress(OSError):  # the caller went away; it has no result from this part
+            await bulk.send(lane, averaged.image)
+        return
     for message, size in wire.chunk_messages(
         averaged.image if averaged.image is not None else memoryview(b"")
     ):

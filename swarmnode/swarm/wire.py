@@ -24,6 +24,10 @@ WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")
 EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
 ADMITTED = (("swarmnode-admitted", "1"),)
 """Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
+BULK_MARKER = pb.Contribution(bulk=True).SerializeToString()
+"""The message a sender sends instead of chunks once it moved its part to the offered bulk lane."""
+SIGNATURE_BYTES = 64
+"""An Ed25519 signature: what follows each chunk on a bulk lane when the header is signed."""
 MAX_WEIGHT = 1e15
 MAX_TIMEOUT_S = 600.0
 """Longest all-reduce budget a group may carry (and --matchmaking/--allreduce-timeout may set): a

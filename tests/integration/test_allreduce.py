@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from swarmnode.net import rpc, snapshot_server
+from swarmnode.net.bulk import BulkListener
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import allreduce as averaging
 from swarmnode.swarm import codecs
@@ -53,6 +54,12 @@ class NoSnapshots:
 class Node:
     servicer: AveragingServicer
     server: snapshot_server.RpcServer
+    lanes: BulkListener | None = None
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        if self.lanes is not None:
+            await self.lanes.close()
 
     @property
     def address(self) -> str:
@@ -69,8 +76,13 @@ async def start_node(
     *,
     trust: AveragingTrust = UNCHECKED,
     on_rejected: Callable[[str], None] | None = None,
+    lanes: bool = True,
 ) -> Node:
-    servicer = AveragingServicer(node_id, on_proposal, on_rejected=on_rejected, trust=trust)
+    """A member as a node starts it: with bulk lanes unless `lanes` is False (every byte on gRPC)."""
+    listener = BulkListener() if lanes else None
+    if listener is not None:
+        await listener.start(LOCALHOST)
+    servicer = AveragingServicer(node_id, on_proposal, on_rejected=on_rejected, trust=trust, lanes=listener)
     server = await snapshot_server.start_server(
         LOCALHOST,
         0,
@@ -78,17 +90,17 @@ async def start_node(
         lambda: rpc.NodeStatus(node_id, "run"),
         extra_servicers=[servicer.register],
     )
-    return Node(servicer, server)
+    return Node(servicer, server, listener)
 
 
 @asynccontextmanager
-async def swarm(size: int) -> AsyncIterator[list[Node]]:
-    nodes = [await start_node(f"{i + 1:02x}") for i in range(size)]
+async def swarm(size: int, lanes: bool = True) -> AsyncIterator[list[Node]]:
+    nodes = [await start_node(f"{i + 1:02x}", lanes=lanes) for i in range(size)]
     try:
         yield nodes
     finally:
         for node in nodes:
-            await node.server.stop(0)
+            await node.stop()
 
 
 def group(
@@ -315,8 +327,8 @@ def test_proposal_is_accepted_or_refused_and_carries_the_whole_group() -> None:
                 await averaging.propose_group(f"{LOCALHOST}:{free_port()}", spec, 5.0),
             )
         finally:
-            await yes.server.stop(0)
-            await no.server.stop(0)
+            await yes.stop()
+            await no.stop()
 
     assert run(scenario()) == (True, False, False, False)
     assert len(seen) == 1 and seen[0].members[0].cursor == {"shard": 3, "epoch": 1, "position": 96}
@@ -651,7 +663,7 @@ def member_main(node_id: str, n: int, seed: int, weight: float) -> None:
         spec = GroupSpec.from_json(await asyncio.to_thread(sys.stdin.readline))
         node.servicer.expect(spec)
         await averaging.butterfly_allreduce(node.servicer, spec, spec.index_of(node_id), delta, weight)
-        await node.server.stop(0)
+        await node.stop()
 
     asyncio.run(serve())
 

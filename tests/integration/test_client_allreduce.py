@@ -42,7 +42,7 @@ def test_client_members_average_exactly_without_being_dialled(reachable: int, cl
             )
         finally:
             for s in servers:
-                await s.server.stop(0)
+                await s.stop()
 
     results = run(scenario())
     assert_identical(results)

@@ -90,28 +90,32 @@ class ContributionHeader(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., node_id: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., total_elements: _Optional[int] = ..., part_elements: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Contribution(_message.Message):
-    __slots__ = ("header", "offset", "data", "signature")
+    __slots__ = ("header", "offset", "data", "signature", "bulk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     header: ContributionHeader
     offset: int
     data: bytes
     signature: bytes
-    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class AveragedHeader(_message.Message):
-    __slots__ = ("contributors", "part_elements", "wire_dtype", "included")
+    __slots__ = ("contributors", "part_elements", "wire_dtype", "included", "bulk")
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PART_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     contributors: int
     part_elements: int
     wire_dtype: str
     included: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., included: _Optional[_Iterable[int]] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., included: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class AveragedPart(_message.Message):
     __slots__ = ("header", "offset", "data")

@@ -71,6 +71,12 @@ class AveragingServiceServicer:
         contribution or its deadline passed, it answers with a first message carrying `header` only,
         then the averaged part's image in chunks the same way, and ends the call. A sender whose
         contribution was cut short still gets the answer if its call is open.
+        The bulk lane (README "The swarm"; plaintext swarms only): the reducer's initial metadata may
+        also carry `swarmnode-bulk: PORT.TICKET` (TICKET: 32 hex digits). A sender that opens a TCP
+        connection to the reducer's host at PORT and writes the ticket's 16 bytes may then send one
+        message with `bulk` set and write the image there instead: each chunk's bytes, each followed
+        by its 64-byte signature when the header is signed. The reducer then answers with a header
+        whose `bulk` is set and writes the averaged image on that connection.
         Errors: FAILED_PRECONDITION (group not known here yet: the sender may retry), ABORTED (the
         group's all-reduce is over, or never started here), INVALID_ARGUMENT (a header or chunk that
         does not fit the group), ALREADY_EXISTS (a second call from the same sender), PERMISSION_DENIED
