@@ -166,6 +166,7 @@ class Member:
         self.servicer, self.channels = servicer, channels
         self.spec: GroupSpec | None = None
         self.delta = torch.empty(0)
+        self.out = torch.empty(0)
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         if "spec" in request:
@@ -173,11 +174,14 @@ class Member:
             if self.delta.numel() != request["numel"]:
                 generator = torch.Generator().manual_seed(int(request["seed"]))
                 self.delta = torch.randn(int(request["numel"]), generator=generator)
+                self.out = torch.empty_like(self.delta)  # reused round after round, as gloo's in-place
             return {"ready": self.servicer.expect(self.spec)}
         assert self.spec is not None, "go before spec"
         spec, index = self.spec, self.spec.index_of(self.servicer.node_id)
         cpu = time.process_time()
-        result = await butterfly_allreduce(self.servicer, spec, index, self.delta, 1.0, self.channels)
+        result = await butterfly_allreduce(
+            self.servicer, spec, index, self.delta, 1.0, self.channels, self.out
+        )
         return {
             "seconds": result.seconds,
             "bytes_sent": result.bytes_sent,

@@ -106,16 +106,25 @@ async def butterfly_allreduce(
     delta: torch.Tensor,
     weight: float,
     channels: rpc.ChannelCache | None = None,
+    out: torch.Tensor | None = None,
 ) -> AllReduceResult:
     """Averages a flat fp32 CPU Δ with the group's other members, weighted by `weight` (e.g. tokens),
     within `spec.timeout_s`; see the module notes for what is covered when peers fail. `delta` must
     stay unchanged until this returns; a group of one returns it as it is. `channels`: the node's
-    cached channels to its peers (None: one per call). Never raises for a peer's failure; ValueError
-    for bad arguments."""
+    cached channels to its peers (None: one per call). `out`: where the average is written (a flat
+    fp32 CPU tensor of Δ's size, not Δ itself; None: a new one): a caller that averages round after
+    round reuses one buffer, as an in-place all-reduce would, instead of paying for fresh pages each
+    time. Never raises for a peer's failure; ValueError for bad arguments."""
     _check_call(servicer, spec, my_index, delta, weight)
+    if out is not None and (
+        out.dtype != torch.float32 or out.shape != delta.shape or out.is_cuda or not out.is_contiguous()
+    ):
+        raise ValueError("out must be a contiguous fp32 CPU tensor of the pseudo-gradient's shape")
+    if out is not None and out.data_ptr() == delta.data_ptr():
+        raise ValueError("out must not be the pseudo-gradient itself: it is sent while results arrive")
     if len(spec.members) == 1:
         return AllReduceResult(AveragedDelta(delta, ((0, delta.numel()),), 1), 0, 0.0, (frozenset({0}),))
-    return await _Butterfly(servicer, spec, my_index, delta, weight, channels).run()
+    return await _Butterfly(servicer, spec, my_index, delta, weight, channels, out).run()
 
 
 def _check_call(
@@ -140,6 +149,7 @@ class _Butterfly:
         delta: torch.Tensor,
         weight: float,
         channels: rpc.ChannelCache | None,
+        out: torch.Tensor | None = None,
     ) -> None:
         self.servicer, self.spec, self.me, self.delta, self.weight = servicer, spec, my_index, delta, weight
         self.channels = channels
@@ -149,11 +159,13 @@ class _Butterfly:
         self.images: dict[int, memoryview] = {}
         self.signatures: dict[int, list[bytes]] = {}
         """Per part sent: one signature per chunk (none with mutual TLS: the connection says who)."""
-        self.out = torch.empty(delta.numel(), dtype=torch.float32)
+        self.out = out if out is not None else torch.empty(delta.numel(), dtype=torch.float32)
         """The averaged Δ: each part's average is decoded (fp32: received) straight into its range."""
         self.parts: dict[int, _Part] = {}
         """The parts whose average arrived whole."""
         self.decodes: list[asyncio.Future[Any]] = []
+        self.borrowed: list[memoryview] = []
+        """Buffers taken from the servicer's spares (`reducer.SpareBuffers`), given back at the end."""
         self.lanes: dict[int, socket.socket] = {}
         """The bulk lanes (`net/bulk.py`) of the calls that moved their part to one, by reducer."""
         self.bytes_sent, self.parts_out = 0, 0
@@ -187,6 +199,7 @@ class _Butterfly:
         self._mark("gathered")
         averaged = await asyncio.to_thread(self._assemble)
         self._mark("assembled")
+        self.servicer.spares.give(self.borrowed)  # every call and decode is over: nothing uses them
         included = tuple(self.parts.get(k, frozenset()) for k in range(len(self.spec.members)))
         seconds = time.monotonic() - started
         phases = tuple(self.phases.items())
@@ -201,11 +214,20 @@ class _Butterfly:
     def _encode_parts(self) -> dict[int, memoryview]:
         if self.weight == 0:  # a contribution of weight 0 is averaged into nothing: only its header goes
             return {}
-        n = self.delta.numel()
-        return {
-            k: codecs.encode(self.delta[slice(*self.spec.part_range(k, n))], self.spec.wire_dtype)
-            for k in self.peers
-        }
+        n, wire_dtype = self.delta.numel(), self.spec.wire_dtype
+        images = {}
+        for k in self.peers:
+            part = self.delta[slice(*self.spec.part_range(k, n))]
+            into = (
+                self._borrow(codecs.encoded_size(wire_dtype, part.numel())) if wire_dtype == "bf16" else None
+            )
+            images[k] = codecs.encode(part, wire_dtype, into)
+        return images
+
+    def _borrow(self, size: int) -> memoryview:
+        buffer = self.servicer.spares.take(size)
+        self.borrowed.append(buffer)
+        return buffer
 
     def _sign_parts(self) -> dict[int, list[bytes]]:
         trust = self.servicer.trust
@@ -232,13 +254,13 @@ class _Butterfly:
         out (or at the collect deadline), publishes the result, and waits until it was delivered."""
         await rnd.contributions_in(self.collect_deadline)
         await _wait_until(self.sends_done, self.collect_deadline)
-        averaged = await rnd.reduce(self.spec.wire_dtype, self.servicer.max_norm_ratio)
+        mine = self.out[slice(*self.spec.part_range(self.me, self.delta.numel()))]
+        averaged = await rnd.reduce(self.spec.wire_dtype, self.servicer.max_norm_ratio, mine)
         self.servicer.report_exclusions(self.spec, averaged)
         self._mark("reduced")
         await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
-        if averaged.values is not None:
-            self.out[slice(*self.spec.part_range(self.me, self.delta.numel()))].copy_(averaged.values)
+        if averaged.values is not None:  # decoded into `mine`
             self.parts[self.me] = frozenset(averaged.included)
         absent = len(self.spec.members) - averaged.contributors - rnd.weightless - (self.weight == 0)
         if absent > 0:
@@ -377,7 +399,7 @@ class _Butterfly:
         # fp32: the image is the values, so it lands in `out` itself; others decode into it.
         fp32 = self.spec.wire_dtype == "fp32"
         size = codecs.encoded_size(h.wire_dtype, hi - lo)
-        image = codecs.writable_image(self.out[lo:hi]) if fp32 else bytearray(size)
+        image = codecs.writable_image(self.out[lo:hi]) if fp32 else self._borrow(size)
         got = 0
         if h.bulk:  # the reducer answers on the lane our part went by
             lane = self.lanes.get(k)

@@ -52,13 +52,18 @@ def encoded_size(wire_dtype: str, n: int) -> int:
     return size + 4 * int8_blocks(n) if wire_dtype == "int8" else size
 
 
-def encode(x: torch.Tensor, wire_dtype: str) -> memoryview:
+def encode(x: torch.Tensor, wire_dtype: str, into: memoryview | None = None) -> memoryview:
     """The image of a flat fp32 CPU tensor, as bytes. For fp32 it is a view of `x` itself (no copy):
-    keep `x` alive and unchanged while the image is in use."""
+    keep `x` alive and unchanged while the image is in use. `into`: bytes of the image's size to
+    write a bf16 image into (other dtypes ignore it), rather than fresh memory."""
     assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous(), "flat contiguous fp32 expected"
     if check_dtype(wire_dtype) == "fp32":
         return _bytes_of(x)
     if wire_dtype == "bf16":
+        if into is not None and x.numel():
+            assert len(into) == encoded_size("bf16", x.numel()), "into must be the image's size"
+            torch.frombuffer(into, dtype=torch.bfloat16).copy_(x)
+            return into
         return _bytes_of(x.to(torch.bfloat16))
     if wire_dtype == "int4":
         return _encode_int4(x)
@@ -115,6 +120,13 @@ def writable_image(x: torch.Tensor) -> memoryview:
     written into it are the tensor's values (a receiver fills a tensor in place that way)."""
     assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous(), "flat contiguous fp32 expected"
     return _bytes_of(x)
+
+
+def receive_buffer(size: int) -> memoryview:
+    """`size` writable bytes, not zero-filled, to receive an image into: every byte is written before
+    it is read (a part whose bytes did not all arrive is dropped), and zero-filling 10 MB parts cost
+    a pass over them that showed in the all-reduce's profile."""
+    return _bytes_of(torch.empty(size, dtype=torch.uint8))
 
 
 def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,8 @@ import contextlib
 import logging
 import math
 import socket
+import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +72,7 @@ _CODES = {
     AveragingReject.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     AveragingReject.IMPERSONATION: grpc.StatusCode.PERMISSION_DENIED,
 }
-Contribution = tuple[int, float, "torch.Tensor | bytearray"]
+Contribution = tuple[int, float, "torch.Tensor | bytearray | memoryview"]
 """(member index, token weight, values or their wire image)."""
 
 
@@ -104,13 +106,63 @@ async def _settle(*tasks: asyncio.Task[Any]) -> None:
     await settle(*tasks, expected=(_Refused,))  # a refusal was reported when it was made
 
 
+class SpareBuffers:
+    """Receive buffers of ended rounds, for the next round's contributions. A fresh buffer of a part's
+    size costs a page fault and the kernel's zeroing per page: in `swarmnode bench allreduce` that was
+    half of a member's CPU. A buffer comes back only once the round that used it is gone (no call of
+    it can still write into it); only buffers of the sizes last asked for are kept, `limit_bytes` in all."""
+
+    GRAIN = 1 << 20
+    """Buffers are kept by size rounded up to this, so parts a few values apart share them."""
+
+    def __init__(self, limit_bytes: int = 256 << 20) -> None:
+        self.limit_bytes = limit_bytes
+        self._free: dict[int, list[memoryview]] = {}
+        self._lock = threading.Lock()  # a round may be collected on whichever thread drops it last
+
+    def take(self, size: int) -> memoryview:
+        """`size` writable bytes, not zero-filled; `give` its whole buffer back (`view.obj`)."""
+        capacity = -(-size // self.GRAIN) * self.GRAIN
+        with self._lock:
+            free = self._free.get(capacity)
+            if free:
+                return free.pop()[:size]
+            if self._held() + capacity > self.limit_bytes:
+                self._free.clear()  # other sizes (another group size, or model) filled it: start over
+        return codecs.receive_buffer(capacity)[:size]
+
+    def give(self, views: list[memoryview]) -> None:
+        with self._lock:
+            held = self._held()
+            for view in views:
+                whole = memoryview(view.obj).cast("B") if view.obj is not None else view
+                if len(whole) % self.GRAIN == 0 and held + len(whole) <= self.limit_bytes:
+                    self._free.setdefault(len(whole), []).append(whole)
+                    held += len(whole)
+
+    def _held(self) -> int:
+        return sum(len(b) for free in self._free.values() for b in free)
+
+    @property
+    def held(self) -> int:
+        """Buffers kept now."""
+        with self._lock:
+            return sum(len(free) for free in self._free.values())
+
+
 class _PartRound:
     """One group as this node's reducer sees it: the contributions to its part, and its result. Known
     from a proposal (calls are then held until the local all-reduce begins, or until `expires_at`) or
     from the local all-reduce itself."""
 
-    def __init__(self, spec: GroupSpec, my_index: int, expires_at: float) -> None:
+    def __init__(
+        self, spec: GroupSpec, my_index: int, expires_at: float, spares: SpareBuffers | None = None
+    ) -> None:
         self.spec, self.my_index, self.expires_at = spec, my_index, expires_at
+        self.spares = spares
+        self.buffers: list[memoryview] = []
+        if spares is not None:
+            weakref.finalize(self, spares.give, self.buffers)
         self.started, self.all_in, self.idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.idle.set()
         self.total, self.own_weight, self.own = 0, 0.0, torch.empty(0)
@@ -122,7 +174,7 @@ class _PartRound:
         self.open: set[int] = set()
         self.weightless: set[int] = set()
         """Senders whose header says weight 0 (a grouped round's hand-off): they send no values."""
-        self.contributions: dict[int, tuple[float, bytearray]] = {}
+        self.contributions: dict[int, tuple[float, bytearray | memoryview]] = {}
         self.closed = False
         self.result: asyncio.Future[Averaged] = asyncio.get_running_loop().create_future()
         self.result_bytes = 0
@@ -198,7 +250,9 @@ class _PartRound:
         """The whole contributions, its own included, in member order; any that completes later is
         left out."""
         self.closed = True
-        contributions: dict[int, tuple[float, torch.Tensor | bytearray]] = dict(self.contributions)
+        contributions: dict[int, tuple[float, torch.Tensor | bytearray | memoryview]] = dict(
+            self.contributions
+        )
         contributions[self.my_index] = (self.own_weight, self.own)
         return [(k, *contributions[k]) for k in sorted(contributions)]
 
@@ -235,7 +289,7 @@ class _PartRound:
     async def _receive(
         self, context: Any, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, lane: _Lane | None
     ) -> None:
-        image = bytearray(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
+        image = self._receive_buffer(codecs.encoded_size(self.spec.wire_dtype, self.part_len))
         got, index = 0, 0
         while got < len(image):
             msg = await context.read()
@@ -269,13 +323,20 @@ class _PartRound:
         self.contributions[sender] = (weight, image)
         self.give_up(sender)
 
+    def _receive_buffer(self, size: int) -> memoryview:
+        if self.spares is None:
+            return codecs.receive_buffer(size)
+        buffer = self.spares.take(size)
+        self.buffers.append(buffer)
+        return buffer
+
     def _lost(self, sender: int) -> None:
         """The sender's part stopped before its end: it will not deliver."""
         self.open.discard(sender)
         self.give_up(sender)
 
     async def _receive_on_lane(
-        self, lane: _Lane, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, image: bytearray
+        self, lane: _Lane, sender: int, h: pb.ContributionHeader, trust: AveragingTrust, image: memoryview
     ) -> bool:
         """Receives the part on the bulk lane the sender moved to (each chunk followed by its signature
         when the header is signed); False if it ended early. `_Refused` if the lane never came or a
@@ -285,9 +346,8 @@ class _PartRound:
         except TimeoutError:
             raise _invalid("the sender moved to the bulk lane but never connected") from None
         signature = bytearray(wire.SIGNATURE_BYTES if h.signature else 0)
-        view = memoryview(image)
         for index, offset in enumerate(range(0, len(image), rpc.CHUNK_BYTES)):
-            chunk = view[offset : offset + rpc.CHUNK_BYTES]
+            chunk = image[offset : offset + rpc.CHUNK_BYTES]
             try:
                 await bulk.receive_into(lane.taken, chunk)
                 await bulk.receive_into(lane.taken, memoryview(signature))
@@ -336,11 +396,20 @@ class LocalReduction:
         """Member `sender` is unreachable: no contribution will come from it (unless its call is open)."""
         self._round.give_up(sender)
 
-    async def reduce(self, wire_dtype: str, max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO) -> Averaged:
+    async def reduce(
+        self,
+        wire_dtype: str,
+        max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
+        values_out: torch.Tensor | None = None,
+    ) -> Averaged:
         """Averages the whole contributions in (its own included; any that completes later is left out)
-        on a worker thread, robustly (see `average`); `publish` then answers every caller with it."""
-        contributions = self._round.close()
-        return await asyncio.to_thread(average, contributions, wire_dtype, self.part_elements, max_norm_ratio)
+        on a worker thread, robustly (see `average`), the decoded values written into `values_out` if
+        given; `publish` then answers every caller with it."""
+        rnd = self._round
+        contributions = rnd.close()
+        n = self.part_elements
+        acc = torch.frombuffer(rnd._receive_buffer(4 * n), dtype=torch.float32) if n else None
+        return await asyncio.to_thread(average, contributions, wire_dtype, n, max_norm_ratio, acc, values_out)
 
     def publish(self, averaged: Averaged) -> None:
         self._round.publish(averaged)
@@ -351,12 +420,18 @@ class LocalReduction:
 
 
 def average(
-    contributions: list[Contribution], wire_dtype: str, n: int, max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
+    contributions: list[Contribution],
+    wire_dtype: str,
+    n: int,
+    max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
+    acc: torch.Tensor | None = None,
+    values_out: torch.Tensor | None = None,
 ) -> Averaged:
     """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the contributions of positive weight that pass
     the robust filter (`robust_filter`), so equal weights give exactly (Δ₀ + Δ₁) / 2; then its wire
     image and the image's decoded values, which is what every member applies, the members it averages
-    and those it left out. Runs on a worker thread."""
+    and those it left out. `acc` (n fp32 values, any content) holds the sum, which for fp32 is the
+    image; the decoded values go into `values_out` (n fp32 values) if given. Runs on a worker thread."""
     decoded: list[tuple[int, float, torch.Tensor]] = []
     for index, weight, data in contributions:
         if weight > 0:
@@ -366,12 +441,13 @@ def average(
     if not kept:
         return Averaged(excluded=excluded)
     total = sum(weight for _, weight, _ in kept)
-    acc = torch.zeros(n, dtype=torch.float32)
+    acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
+    acc.zero_()
     for _, weight, values in kept:
         acc.add_(values, alpha=weight / total)
     image = codecs.encode(acc, wire_dtype)
     included = tuple(index for index, _, _ in kept)
-    return Averaged(included, image, codecs.decode(image, wire_dtype, n), excluded)
+    return Averaged(included, image, codecs.decode(image, wire_dtype, n, values_out), excluded)
 
 
 _Weighted = list[tuple[int, float, torch.Tensor]]
@@ -443,6 +519,7 @@ class AveragingServicer:
         self.lanes = lanes
         self._logged_exclusions: set[str] = set()
         self._rounds: dict[str, _PartRound] = {}
+        self.spares = SpareBuffers()
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
 
     def register(self, server: grpc.aio.Server) -> str:
@@ -485,7 +562,7 @@ class AveragingServicer:
         if len(self._rounds) >= MAX_KNOWN_GROUPS or spec.group_id in self._over:
             return False
         self._rounds[spec.group_id] = _PartRound(
-            spec, my_index, asyncio.get_running_loop().time() + spec.timeout_s
+            spec, my_index, asyncio.get_running_loop().time() + spec.timeout_s, self.spares
         )
         return True
 
@@ -494,7 +571,7 @@ class AveragingServicer:
         handle on it (the member calls this, then `end`); ValueError if the group already ran here or
         is known with another spec."""
         self._forget_expired()
-        rnd = self._rounds.get(spec.group_id) or _PartRound(spec, my_index, 0.0)
+        rnd = self._rounds.get(spec.group_id) or _PartRound(spec, my_index, 0.0, self.spares)
         if rnd.spec != spec or rnd.started.is_set() or spec.group_id in self._over:
             raise ValueError(f"group {spec.group_id} already ran here, or is known with another spec")
         self._rounds[spec.group_id] = rnd
