@@ -29,6 +29,7 @@ from swarmnode.net import bulk, rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import codecs, wire
+from swarmnode.swarm.allreduce import butterfly_allreduce
 from swarmnode.swarm.trust import AveragingTrust, SenderProof
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util.procs import free_port
@@ -283,3 +284,55 @@ def test_a_released_ticket_closes_the_connection_that_presented_it() -> None:
             await listener.close()
 
     assert run(scenario()) == b""
+
+
+def test_the_average_lands_in_the_callers_buffer_round_after_round() -> None:
+    """`out`: each member's average is written into its own buffer, the same one every round, with the
+    same values as into fresh memory; the reducers' receive buffers come back and are reused."""
+    n = 2 * 2**20 + 1
+    deltas, weights = random_deltas(3, n, seed=15), [1.0, 2.0, 3.0]
+
+    async def scenario() -> tuple[list, list, list[torch.Tensor], list[int]]:
+        async with swarm(3) as nodes:
+            outs = [torch.full((n,), float("nan")) for _ in nodes]
+            rounds = []
+            for r in range(2):
+                spec = group([x.member for x in nodes], "bf16", group_id=f"out-{r}")
+                assert all(node.servicer.expect(spec) for node in nodes)
+                rounds.append(
+                    await asyncio.gather(
+                        *(
+                            butterfly_allreduce(node.servicer, spec, i, deltas[i], weights[i], out=outs[i])
+                            for i, node in enumerate(nodes)
+                        )
+                    )
+                )
+            spec = group([x.member for x in nodes], "bf16", group_id="fresh")
+            assert all(node.servicer.expect(spec) for node in nodes)
+            fresh = await allreduce(nodes, spec, deltas, weights)
+            return rounds, fresh, outs, [node.servicer.spares.held for node in nodes]
+
+    rounds, fresh, outs, held = run(scenario())
+    for results in rounds:
+        assert_identical(results)
+        for result, out in zip(results, outs, strict=True):
+            assert result.averaged.delta.data_ptr() == out.data_ptr()
+            assert torch.equal(result.averaged.delta, fresh[0].averaged.delta)
+    assert all(count > 0 for count in held)  # the rounds' buffers came back
+
+
+def test_out_must_be_a_separate_fp32_buffer_of_the_same_size() -> None:
+    async def scenario() -> list[str]:
+        async with swarm(2) as nodes:
+            spec = group([x.member for x in nodes])
+            delta = torch.zeros(10)
+            errors = []
+            for out in (delta, torch.zeros(9), torch.zeros(10, dtype=torch.float64)):
+                with pytest.raises(ValueError) as caught:
+                    await butterfly_allreduce(nodes[0].servicer, spec, 0, delta, 1.0, out=out)
+                errors.append(str(caught.value))
+            return errors
+
+    errors = run(scenario())
+    assert "not be the pseudo-gradient itself" in errors[0]
+    assert all("shape" in error for error in errors[1:])
