@@ -34,6 +34,8 @@ MAX_PENDING = 1024
 MAX_ADMITTING = 64
 """Connections at once that have not yet presented a ticket; more are closed at once."""
 DIAL_TIMEOUT_S = 2.0
+LINGER_S = 10.0
+"""How long an ended lane waits for its peer to close it (see `BulkListener._linger`)."""
 UNREACHABLE_FOR_S = 300.0
 """How long a lane that could not be dialled is not tried again (its parts go over gRPC)."""
 METADATA_KEY = "swarmnode-bulk"
@@ -48,6 +50,7 @@ class BulkListener:
         self._pending: dict[bytes, asyncio.Future[socket.socket]] = {}
         self._accepting: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
+        self._lingering: set[asyncio.Task[None]] = set()
         self.port = 0
         self.connections = 0
         """Connections matched to a ticket so far."""
@@ -73,7 +76,7 @@ class BulkListener:
         return self.port
 
     async def close(self) -> None:
-        tasks = [t for t in (self._accepting, *self._admitting) if t is not None]
+        tasks = [t for t in (self._accepting, *self._admitting, *self._lingering) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -95,12 +98,30 @@ class BulkListener:
         return ticket, future
 
     def release(self, ticket: bytes, future: asyncio.Future[socket.socket]) -> None:
-        """Forgets the ticket and closes its connection, if one came."""
+        """Forgets the ticket and ends its connection, if one came: what was written on it is still
+        delivered (`_linger`)."""
         self._pending.pop(ticket, None)
-        if future.done() and not future.cancelled():
-            future.result().close()
-        else:
+        if not future.done() or future.cancelled():
             future.cancel()
+            return
+        task = asyncio.create_task(self._linger(future.result()), name="bulk-linger")
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
+
+    async def _linger(self, conn: socket.socket) -> None:
+        """Half-closes the connection and reads (discarding) until the peer closes it, for at most
+        `LINGER_S`: closing a socket with unread bytes (a late sender's rest) resets the connection,
+        which would destroy the average written to it just before."""
+        try:
+            conn.shutdown(socket.SHUT_WR)
+            async with asyncio.timeout(LINGER_S):
+                sink = memoryview(bytearray(1 << 16))
+                while await asyncio.get_running_loop().sock_recv_into(conn, sink):
+                    pass
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            conn.close()
 
     async def _accept(self, listening: socket.socket) -> None:
         loop = asyncio.get_running_loop()

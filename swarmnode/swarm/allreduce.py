@@ -345,10 +345,11 @@ class _Butterfly:
                 for message, size in wire.chunk_messages(image, signatures):
                     self.bytes_sent += size  # counted before the await: see `AllReduceResult.bytes_sent`
                     await call.write(message)
+            # The part is out: our own reduction need not wait for gRPC to acknowledge the half-close.
+            self._send_over(k)
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, OSError):
             return  # the call (or its lane) ended; its reader reports why
-        self._send_over(k)
         self.parts_out += 1
         if self.parts_out < len(self.peers):
             await faults.ahit("allreduce_send")  # before the next part, as if they went one at a time

@@ -135,9 +135,11 @@ class LaneSender(RawSender):
         stop_at: float = 1.0,
         alter: bool = False,
         trust: AveragingTrust | None = None,
+        stall: bool = False,
     ) -> torch.Tensor | None:
-        """Sends part k's image on the reducer's lane up to `stop_at` (then closes the lane); `alter`
-        flips a byte of the first chunk after signing it. Returns the part's average if it comes."""
+        """Sends part k's image on the reducer's lane up to `stop_at`, then closes the lane (with
+        `stall`: keeps it open, sends no more, and waits for the average); `alter` flips a byte of
+        the first chunk after signing it. Returns the part's average if it comes."""
         image = bytearray(codecs.encode(self.delta[part(self.spec, k, self.delta.numel())], "fp32"))
         header = self.header(k)
         signatures: list[bytes] = []
@@ -167,7 +169,7 @@ class LaneSender(RawSender):
                             await bulk.send(lane, signatures[index])
                 except OSError:  # the reducer refused the part and closed the lane
                     return None
-                if stop_at < 1.0:
+                if stop_at < 1.0 and not stall:
                     return None
                 try:
                     first = await call.read()
@@ -336,3 +338,33 @@ def test_out_must_be_a_separate_fp32_buffer_of_the_same_size() -> None:
     errors = run(scenario())
     assert "not be the pseudo-gradient itself" in errors[0]
     assert all("shape" in error for error in errors[1:])
+
+
+def test_a_late_sender_on_a_lane_is_left_out_but_still_gets_the_average() -> None:
+    """Member 2 (hand-driven, a client member) delivers part 1 whole but stalls half-way through part
+    0 with its lane open: reducer 0 averages without it at its collect deadline and answers it on that
+    lane all the same."""
+    n, timeout_s = 3 * 2**20, 2.0
+    deltas, weights = random_deltas(3, n, seed=16), [1.0, 2.0, 3.0]
+
+    async def scenario() -> tuple[GroupSpec, list, torch.Tensor | None]:
+        async with swarm(2) as nodes:
+            members = [nodes[0].member, nodes[1].member, Member("03", "", reachable=False)]
+            spec = group(members, timeout_s=timeout_s)
+            assert all(node.servicer.expect(spec) for node in nodes)
+            late = LaneSender(spec, 2, deltas[2], weights[2])
+            results, part0, _ = await asyncio.gather(
+                allreduce(nodes, spec, deltas[:2], weights[:2]),
+                late.send_on_lane(nodes[0].address, 0, stop_at=0.5, stall=True),
+                late.send_on_lane(nodes[1].address, 1),
+            )
+            return spec, results, part0
+
+    spec, results, part0 = run(scenario())
+    assert_identical(results)
+    assert results[0].included == (frozenset({0, 1}), frozenset({0, 1, 2}), frozenset())
+    got = results[0].averaged.delta
+    p0, p1 = part(spec, 0, n), part(spec, 1, n)
+    assert torch.allclose(got[p0], weighted_average(deltas[:2], weights[:2])[p0], atol=1e-6)
+    assert torch.allclose(got[p1], weighted_average(deltas, weights)[p1], atol=1e-6)
+    assert part0 is not None and torch.equal(part0, got[p0])
