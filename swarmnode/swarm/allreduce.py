@@ -184,8 +184,12 @@ class _Butterfly:
         rnd = self.servicer.begin(self.spec, self.me, self.delta, self.weight)
         tasks: list[asyncio.Task[None]] = []
         try:
-            self.images = await asyncio.to_thread(self._encode_parts)
-            self.signatures = await asyncio.to_thread(self._sign_parts)
+            # fp32 and bf16 images cost a copy at most (well under a millisecond per million values): on
+            # the loop, as a thread hop costs more on a busy machine; quantising and signing go off it.
+            cheap = self.spec.wire_dtype in codecs.CHEAP_DTYPES
+            self.images = self._encode_parts() if cheap else await asyncio.to_thread(self._encode_parts)
+            signing = self.servicer.trust.signs_chunks
+            self.signatures = await asyncio.to_thread(self._sign_parts) if signing else {}
             self._mark("encoded")
             await faults.ahit("allreduce_send")  # before the first part
             tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
@@ -197,7 +201,7 @@ class _Butterfly:
             await asyncio.gather(*self.decodes, return_exceptions=True)
             self.servicer.end(rnd)
         self._mark("gathered")
-        averaged = await asyncio.to_thread(self._assemble)
+        averaged = self._assemble()  # at most a zero fill of the parts not covered
         self._mark("assembled")
         self.servicer.spares.give(self.borrowed)  # every call and decode is over: nothing uses them
         included = tuple(self.parts.get(k, frozenset()) for k in range(len(self.spec.members)))
@@ -421,7 +425,9 @@ class _Butterfly:
             except ValueError as exc:
                 logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
                 return None
-        if not fp32:
+        if h.wire_dtype in codecs.CHEAP_DTYPES and not fp32:
+            codecs.decode(image, h.wire_dtype, hi - lo, self.out[lo:hi])
+        elif not fp32:
             # Shielded: a decode cannot be stopped, so `run` waits for it before it assembles `out`.
             decoding = asyncio.ensure_future(
                 asyncio.to_thread(codecs.decode, image, h.wire_dtype, hi - lo, self.out[lo:hi])

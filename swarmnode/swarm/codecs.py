@@ -52,6 +52,10 @@ def encoded_size(wire_dtype: str, n: int) -> int:
     return size + 4 * int8_blocks(n) if wire_dtype == "int8" else size
 
 
+CHEAP_DTYPES = ("fp32", "bf16")
+"""Wire dtypes whose encode and decode are a view or one conversion pass (no quantisation)."""
+
+
 def encode(x: torch.Tensor, wire_dtype: str, into: memoryview | None = None) -> memoryview:
     """The image of a flat fp32 CPU tensor, as bytes. For fp32 it is a view of `x` itself (no copy):
     keep `x` alive and unchanged while the image is in use. `into`: bytes of the image's size to

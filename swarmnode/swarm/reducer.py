@@ -412,7 +412,14 @@ class LocalReduction:
         contributions = rnd.close()
         n = self.part_elements
         acc = torch.frombuffer(rnd._receive_buffer(4 * n), dtype=torch.float32) if n else None
-        return await asyncio.to_thread(average, contributions, wire_dtype, n, max_norm_ratio, acc, values_out)
+        scratch = (
+            torch.frombuffer(rnd._receive_buffer(4 * n), dtype=torch.float32)
+            if n and wire_dtype == "bf16"
+            else None
+        )
+        return await asyncio.to_thread(
+            average, contributions, wire_dtype, n, max_norm_ratio, acc, values_out, scratch
+        )
 
     def publish(self, averaged: Averaged) -> None:
         self._round.publish(averaged)
@@ -429,12 +436,15 @@ def average(
     max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
     acc: torch.Tensor | None = None,
     values_out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> Averaged:
     """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the contributions of positive weight that pass
     the robust filter (`robust_filter`), so equal weights give exactly (Δ₀ + Δ₁) / 2; then its wire
     image and the image's decoded values, which is what every member applies, the members it averages
     and those it left out. `acc` (n fp32 values, any content) holds the sum, which for fp32 is the
-    image; the decoded values go into `values_out` (n fp32 values) if given. Runs on a worker thread."""
+    image; the decoded values go into `values_out` (n fp32 values) if given. `scratch` (n fp32 values):
+    where a bf16 contribution is widened before it is added, which is exact and several times faster
+    than torch's mixed-dtype add. Runs on a worker thread."""
     decoded: list[tuple[int, float, torch.Tensor]] = []
     for index, weight, data in contributions:
         if weight > 0:
@@ -447,6 +457,8 @@ def average(
     acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
     acc.zero_()
     for _, weight, values in kept:
+        if scratch is not None and values.dtype != torch.float32:
+            values = scratch.copy_(values)
         acc.add_(values, alpha=weight / total)
     image = codecs.encode(acc, wire_dtype)
     included = tuple(index for index, _, _ in kept)

@@ -60,7 +60,8 @@ def test_average_into_given_buffers_equals_a_fresh_average(wire_dtype: str) -> N
     fresh = average(list(contributions), wire_dtype, n)
     acc = torch.full((n,), float("nan"))  # whatever an earlier round left there
     values_out = torch.full((n,), 7.0)
-    reused = average(list(contributions), wire_dtype, n, acc=acc, values_out=values_out)
+    scratch = torch.full((n,), float("nan"))
+    reused = average(list(contributions), wire_dtype, n, acc=acc, values_out=values_out, scratch=scratch)
     assert fresh.values is not None and reused.values is not None
     assert reused.values.data_ptr() == values_out.data_ptr()
     assert torch.equal(reused.values, fresh.values)
