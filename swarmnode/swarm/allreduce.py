@@ -322,9 +322,10 @@ class _Butterfly:
             request_serializer=rpc.serialize,
             response_deserializer=None,  # raw bytes: chunks are parsed in place (`wire.take_chunk`)
         )()
-        writer = asyncio.create_task(self._write(call, k), name=f"write-{k}")
+        chosen: asyncio.Future[socket.socket | None] = asyncio.get_running_loop().create_future()
+        writer = asyncio.create_task(self._write(call, k, chosen), name=f"write-{k}")
         try:
-            return await self._read_result(call, k)
+            return await self._read_result(call, k, chosen)
         finally:
             call.cancel()
             await settle(writer)
@@ -332,7 +333,16 @@ class _Butterfly:
             if lane is not None:
                 lane.close()
 
-    async def _write(self, call: Any, k: int) -> None:
+    async def _write(self, call: Any, k: int, lane: asyncio.Future[socket.socket | None]) -> None:
+        """Sends part k, on the reducer's bulk lane if it offered one we reach (`lane` tells the
+        reader which, as soon as it is known), else in the call's messages."""
+        try:
+            await self._write_part(call, k, lane)
+        finally:
+            if not lane.done():
+                lane.set_result(None)
+
+    async def _write_part(self, call: Any, k: int, lane: asyncio.Future[socket.socket | None]) -> None:
         header = wire.contribution_header(self.spec, self.me, k, self.weight, self.delta.numel())
         header = self.servicer.trust.sign_header(_lie(header, self.spec, self.me, k))
         try:
@@ -344,6 +354,7 @@ class _Butterfly:
                 return
             image, signatures = self.images.get(k, memoryview(b"")), self.signatures.get(k, ())
             if image and await self._move_to_lane(call, k, metadata):
+                lane.set_result(self.lanes[k])
                 await self._send_on_lane(self.lanes[k], image, signatures)
             else:
                 for message, size in wire.chunk_messages(image, signatures):
@@ -392,10 +403,16 @@ class _Butterfly:
             self._mark("sent")
             self.sends_done.set()
 
-    async def _read_result(self, call: Any, k: int) -> _Part | None:
-        """Part k's average from its reducer; None if it is not averaged, cut short or malformed."""
+    async def _read_result(
+        self, call: Any, k: int, lane_choice: asyncio.Future[socket.socket | None]
+    ) -> _Part | None:
+        """Part k's average from its reducer, on the lane our part went by if the reducer answers there
+        (else in the call's messages); None if it is not averaged, cut short or malformed."""
         lo, hi = self.spec.part_range(k, self.delta.numel())
-        h = _result_header(await call.read())
+        lane = await lane_choice
+        h = await _lane_header(lane) if lane is not None else None
+        if h is None:  # no lane, or the reducer closed it without an answer: the answer is on the call
+            h = _result_header(await call.read())
         if h is None:
             return None
         included = _included(h.included, len(self.spec.members))
@@ -406,8 +423,7 @@ class _Butterfly:
         size = codecs.encoded_size(h.wire_dtype, hi - lo)
         image = codecs.writable_image(self.out[lo:hi]) if fp32 else self._borrow(size)
         got = 0
-        if h.bulk:  # the reducer answers on the lane our part went by
-            lane = self.lanes.get(k)
+        if h.bulk:  # the image follows the header on the lane
             if lane is None:
                 return None
             try:
@@ -435,6 +451,23 @@ class _Butterfly:
             self.decodes.append(decoding)
             await asyncio.shield(decoding)
         return included
+
+
+async def _lane_header(lane: socket.socket) -> pb.AveragedHeader | None:
+    """The result header a reducer wrote on a lane (`wire.lane_header`); None if the lane ended before
+    one, or it is malformed."""
+    size = bytearray(wire.LANE_HEADER_PREFIX)
+    try:
+        await bulk.receive_into(lane, memoryview(size))
+        length = int.from_bytes(size, "little")
+        if not 0 < length <= wire.MAX_LANE_HEADER:
+            return None
+        raw = bytearray(length)
+        await bulk.receive_into(lane, memoryview(raw))
+        msg = pb.AveragedHeader.FromString(bytes(raw))
+    except (OSError, DecodeError):
+        return None
+    return msg if msg.bulk else None
 
 
 def _result_header(first: Any) -> pb.AveragedHeader | None:

@@ -733,21 +733,23 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
 
 
 async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged, lane: socket.socket | None) -> None:
-    """The part's average to one caller: its header on the call, its image on the caller's bulk lane
-    when its contribution came that way, else in chunk messages."""
+    """The part's average to one caller: on the caller's bulk lane when its contribution came that way
+    (the header, framed, then the image: no gRPC message on the way), else in the call's messages."""
     header = pb.AveragedHeader(
         contributors=averaged.contributors,
         part_elements=rnd.part_len,
         wire_dtype=rnd.spec.wire_dtype,
         included=averaged.included,
-        bulk=lane is not None and averaged.image is not None,
+        bulk=lane is not None,
     )
-    await context.write(pb.AveragedPart(header=header))
-    if header.bulk and lane is not None and averaged.image is not None:
-        rnd.result_bytes += len(averaged.image)  # counted before the await, as below
+    if lane is not None:
+        image = averaged.image if averaged.image is not None else memoryview(b"")
+        rnd.result_bytes += len(image)  # counted before the await, as below
         with contextlib.suppress(OSError):  # the caller went away; it has no result from this part
-            await bulk.send(lane, averaged.image)
+            await bulk.send(lane, wire.lane_header(header))
+            await bulk.send(lane, image)
         return
+    await context.write(pb.AveragedPart(header=header))
     for message, size in wire.chunk_messages(
         averaged.image if averaged.image is not None else memoryview(b"")
     ):

@@ -26,6 +26,9 @@ ADMITTED = (("swarmnode-admitted", "1"),)
 """Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
 BULK_MARKER = pb.Contribution(bulk=True).SerializeToString()
 """The message a sender sends instead of chunks once it moved its part to the offered bulk lane."""
+LANE_HEADER_PREFIX = 4
+"""A result on a bulk lane: this many bytes (little-endian) give the length of its `AveragedHeader`."""
+MAX_LANE_HEADER = 1 << 16
 SIGNATURE_BYTES = 64
 """An Ed25519 signature: what follows each chunk on a bulk lane when the header is signed."""
 MAX_WEIGHT = 1e15
@@ -323,3 +326,9 @@ def header_problem(h: pb.ContributionHeader, spec: GroupSpec, my_index: int) -> 
     if not 0 <= h.weight <= MAX_WEIGHT:  # NaN fails too
         return f"weight {h.weight} is out of range"
     return None
+
+
+def lane_header(header: pb.AveragedHeader) -> bytes:
+    """A result header as a reducer writes it on a bulk lane, before the averaged image."""
+    raw = header.SerializeToString()
+    return len(raw).to_bytes(LANE_HEADER_PREFIX, "little") + raw

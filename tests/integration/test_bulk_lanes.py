@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import grpc
 import pytest
 import torch
 from test_allreduce import (
@@ -171,15 +170,20 @@ class LaneSender(RawSender):
                     return None
                 if stop_at < 1.0 and not stall:
                     return None
+                # the answer on the lane: its header's length (4 bytes, little-endian), the header, the image
                 try:
-                    first = await call.read()
-                except grpc.aio.AioRpcError:  # refused
+                    length = bytearray(wire.LANE_HEADER_PREFIX)
+                    await bulk.receive_into(lane, memoryview(length))
+                    raw = bytearray(int.from_bytes(length, "little"))
+                    await bulk.receive_into(lane, memoryview(raw))
+                    header = pb.AveragedHeader.FromString(bytes(raw))
+                    if not header.bulk or not header.contributors:
+                        return None
+                    lo, hi = self.spec.part_range(k, self.delta.numel())
+                    result = bytearray(codecs.encoded_size("fp32", hi - lo))
+                    await bulk.receive_into(lane, memoryview(result))
+                except ConnectionError:  # refused: the reducer closed the lane without an answer
                     return None
-                if first is grpc.aio.EOF or not first.header.bulk:
-                    return None
-                lo, hi = self.spec.part_range(k, self.delta.numel())
-                result = bytearray(codecs.encoded_size("fp32", hi - lo))
-                await bulk.receive_into(lane, memoryview(result))
                 return codecs.decode(result, "fp32", hi - lo)
             finally:
                 lane.close()
