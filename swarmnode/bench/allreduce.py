@@ -2,8 +2,11 @@
 local processes, per wire dtype, against torch.distributed gloo's `all_reduce` of the same tensor in as
 many processes, and against the butterfly's bandwidth bound, all in the same run.
 
-Each member is a worker process with an `AveragingServicer` on a real gRPC server and cached channels
-to its peers (one torch thread each: the members share the machine's cores). A round tells every member
+Each member is a worker process with an `AveragingServicer` on a real gRPC server, its bulk lanes
+(`net/bulk.py`, as a node on a plaintext swarm has; none in the `tls` trust mode) and cached channels
+to its peers (one torch thread each: the members share the machine's cores). Each member averages
+into one buffer it reuses round after round (`butterfly_allreduce(..., out=)`), as gloo's
+`all_reduce` works in place. A round tells every member
 the group (so calls that come early are held), then starts them together; its time is the slowest
 member's `AllReduceResult.seconds`. The gloo ranks (`bench/worker.py`, role `gloo`) meet at a barrier
 and time one `all_reduce` (a sum, then divided by N); its time is the slowest rank's. Round 0 warms
