@@ -40,7 +40,6 @@ LINGER_S = 10.0
 UNREACHABLE_FOR_S = 300.0
 """How long a lane that could not be dialled is not tried again (its parts go over gRPC)."""
 METADATA_KEY = "swarmnode-bulk"
-RECEIVE_LOW_WATER = 1 << 20
 
 
 class BulkListener:
@@ -224,10 +223,6 @@ async def receive_into(sock: socket.socket, view: memoryview) -> None:
     loop = asyncio.get_running_loop()
     got = 0
     while got < len(view):
-        # Wake up for a good share of what is still to come, not for every segment: each wake-up
-        # costs the loop more than the kernel's copy of a segment.
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(len(view) - got, RECEIVE_LOW_WATER))
         n = await loop.sock_recv_into(sock, view[got:])
         if n == 0:
             raise ConnectionError(f"the lane ended after {got} of {len(view)} bytes")
