@@ -110,7 +110,9 @@ class SpareBuffers:
     """Receive buffers of ended rounds, for the next round's contributions. A fresh buffer of a part's
     size costs a page fault and the kernel's zeroing per page: in `swarmnode bench allreduce` that was
     half of a member's CPU. A buffer comes back only once the round that used it is gone (no call of
-    it can still write into it); only buffers of the sizes last asked for are kept, `limit_bytes` in all."""
+    it can still write into it). Buffers are kept by size class, `limit_bytes` in all; a size that
+    finds none spare and no room beside them drops them all (the sizes changed: another model or
+    group size)."""
 
     GRAIN = 1 << 20
     """Buffers are kept by size rounded up to this, so parts a few values apart share them."""

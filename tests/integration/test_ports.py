@@ -44,7 +44,12 @@ def test_a_second_server_on_the_same_port_is_refused_with_eaddrinuse() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
-PORT_FLAGS = {"--grpc-port": "grpc_port", "--dht-port": "dht_port", "--metrics-port": "metrics_port"}
+PORT_FLAGS = {
+    "--grpc-port": "grpc_port",
+    "--dht-port": "dht_port",
+    "--metrics-port": "metrics_port",
+    "--bulk-port": "bulk_port",
+}
 
 
 @pytest.mark.timeout(180)

@@ -72,6 +72,8 @@ def test_every_flag_has_an_env_twin() -> None:
         ["--inner-steps", "4", "--fragments", "5"],
         ["--outer-mix", "1"],
         ["--outer-mix", "-0.5"],
+        ["--bulk-port", "70000"],
+        ["--bulk-port", "on"],
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_flag(argv: list[str], tmp_path: Path) -> None:
@@ -92,6 +94,15 @@ def test_recovery_peers_has_an_environment_twin() -> None:
     assert parse(["--recovery-peers", "5"], {}).recovery_peers == 5
     with pytest.raises(ConfigError, match="SWARMNODE_RECOVERY_PEERS: must be in 1..16"):
         parse([], {"SWARMNODE_RECOVERY_PEERS": "0"})
+
+
+def test_bulk_port_is_a_port_zero_for_any_or_off() -> None:
+    assert parse([], {}).bulk_port == 0
+    assert parse(["--bulk-port", "50052"], {}).bulk_port == 50052
+    assert parse(["--bulk-port", "off"], {}).bulk_port is None
+    assert parse([], {"SWARMNODE_BULK_PORT": "off"}).bulk_port is None
+    with pytest.raises(ConfigError, match="--bulk-port: must be a port number 0-65535 .* or off"):
+        parse(["--bulk-port", "lanes"], {})
 
 
 def test_fragments_cut_each_h_steps_into_k_rounds_from_flag_or_env() -> None:
