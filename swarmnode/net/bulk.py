@@ -11,9 +11,13 @@ gloo's time to 2.4-2.7x, and with buffers reused from round to round to 1.1-1.4x
 
 A ticket binds a connection to the one admitted call that offered it: 16 random bytes, unknown to
 anyone who did not read that call's metadata. A connection whose first 16 bytes are not a pending
-ticket, or that does not send them within `TICKET_TIMEOUT_S`, is closed. The lane is as private as
-the gRPC call it sits beside only where that call is not encrypted, so nodes offer it only on
-plaintext swarms (with TLS everything stays on gRPC); chunk signatures travel on the lane as on gRPC.
+ticket, or that does not send them within `TICKET_TIMEOUT_S`, is closed; one that does is answered
+with one byte (`ACK`), and a sender moves its part to the lane only once it has that byte, so a lane
+that the reducer did not take (too many strangers' connections pending, say) leaves the part on gRPC.
+
+The lane is as private as the gRPC call it sits beside only where that call is not encrypted, so
+nodes offer it only on plaintext swarms (with TLS everything stays on gRPC); chunk signatures travel
+on the lane as on gRPC.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ LINGER_S = 10.0
 UNREACHABLE_FOR_S = 300.0
 """How long a lane that could not be dialled is not tried again (its parts go over gRPC)."""
 METADATA_KEY = "swarmnode-bulk"
+ACK = b"\x01"
+MAX_REMEMBERED = 1024
+"""Unreachable lanes remembered at once (`dial`)."""
 
 
 class BulkListener:
@@ -154,7 +161,9 @@ class BulkListener:
             conn.close()
             return
         self.connections += 1
-        future.set_result(conn)
+        future.set_result(conn)  # before the ACK: the sender's next word (on the call) may come at once
+        with contextlib.suppress(OSError):  # a sender gone already: its call sees the lane end
+            await asyncio.get_running_loop().sock_sendall(conn, ACK)
 
 
 def tune(sock: socket.socket) -> None:
@@ -187,13 +196,16 @@ _unreachable: dict[tuple[str, int], float] = {}
 async def dial(
     host: str, port: int, ticket: bytes, timeout_s: float = DIAL_TIMEOUT_S
 ) -> socket.socket | None:
-    """A lane to HOST:PORT that presented `ticket`; None if it cannot be opened (then that lane is not
-    tried again for `UNREACHABLE_FOR_S`: a port not forwarded through a NAT costs one timeout)."""
+    """A lane to HOST:PORT that presented `ticket` and was taken (its `ACK` came); None otherwise. A
+    lane that cannot be connected to is not tried again for `UNREACHABLE_FOR_S` (a port not forwarded
+    through a NAT costs one timeout); one that connects but is not taken is just not used this time."""
     key = (host, port)
-    if _unreachable.get(key, 0.0) > time.monotonic():
+    now = time.monotonic()
+    if _unreachable.get(key, 0.0) > now:
         return None
     loop = asyncio.get_running_loop()
     sock: socket.socket | None = None
+    connected = False
     try:
         async with asyncio.timeout(timeout_s):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -202,20 +214,33 @@ async def dial(
             sock.setblocking(False)
             tune(sock)
             await loop.sock_connect(sock, address)
+            connected = True
             await loop.sock_sendall(sock, ticket)
+            ack = bytearray(len(ACK))
+            await receive_into(sock, memoryview(ack))
+            if ack != ACK:
+                raise ConnectionError(f"answered {bytes(ack)!r}, not the lane's ACK")
     except (OSError, TimeoutError) as exc:
         if sock is not None:
             sock.close()
-        _unreachable[key] = time.monotonic() + UNREACHABLE_FOR_S
-        logger.info(
-            "bulk lane to %s:%d unreachable (%s); its parts go over gRPC", host, port, exc or "timeout"
-        )
+        if not connected:
+            _remember_unreachable(key, now)
+        logger.info("bulk lane to %s:%d not used (%s); its part goes over gRPC", host, port, exc or "timeout")
         return None
     except BaseException:
         if sock is not None:
             sock.close()
         raise
     return sock
+
+
+def _remember_unreachable(key: tuple[str, int], now: float) -> None:
+    if len(_unreachable) >= MAX_REMEMBERED:
+        for stale in [k for k, until in _unreachable.items() if until <= now]:
+            del _unreachable[stale]
+        if len(_unreachable) >= MAX_REMEMBERED:
+            _unreachable.clear()
+    _unreachable[key] = now + UNREACHABLE_FOR_S
 
 
 async def receive_into(sock: socket.socket, view: memoryview) -> None:

@@ -91,6 +91,30 @@ def test_a_lane_that_cannot_be_dialled_falls_back_to_grpc() -> None:
     assert len(bulk._unreachable) == 1  # remembered: the next round goes to gRPC at once
 
 
+def test_a_lane_the_reducer_does_not_take_leaves_the_part_on_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reducer's listener turns connections away (as when strangers hold all its admission
+    slots): the senders get no ACK, keep their parts on gRPC, and lose nothing; nothing is remembered
+    as unreachable (the next round tries the lanes again)."""
+    monkeypatch.setattr(bulk, "MAX_ADMITTING", 0)
+    n = 2**20 + 3
+    deltas, weights = random_deltas(3, n, seed=17), [1.0, 2.0, 3.0]
+
+    async def scenario() -> tuple[list, list[int]]:
+        async with swarm(3) as nodes:
+            spec = group([x.member for x in nodes], timeout_s=20.0)
+            assert all(node.servicer.expect(spec) for node in nodes)
+            results = await allreduce(nodes, spec, deltas, weights)
+            return results, [node.lanes.connections if node.lanes else -1 for node in nodes]
+
+    results, connections = run(scenario())
+    assert connections == [0, 0, 0]
+    assert_identical(results)
+    assert results[0].averaged.coverage == 1.0
+    assert max(r.seconds for r in results) < 5.0  # nobody waited for a lane that never came
+    assert torch.allclose(results[0].averaged.delta, weighted_average(deltas, weights), atol=1e-6)
+    assert bulk._unreachable == {}
+
+
 def test_a_connection_without_a_pending_ticket_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bulk, "TICKET_TIMEOUT_S", 0.3)
 
