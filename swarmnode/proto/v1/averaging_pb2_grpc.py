@@ -75,8 +75,8 @@ class AveragingServiceServicer:
         also carry `swarmnode-bulk: PORT.TICKET` (TICKET: 32 hex digits). A sender that opens a TCP
         connection to the reducer's host at PORT, writes the ticket's 16 bytes and reads back the byte
         0x01 may then send one message with `bulk` set and write the image there instead: each
-        chunk's bytes, each followed
-        by its 64-byte signature when the header is signed. The reducer then answers on that connection
+        chunk's bytes, each followed by its 64-byte signature when the header is signed. The reducer
+        then answers on that connection
         alone: the length of an AveragedHeader whose `bulk` is set (4 bytes, little-endian), that
         header, then the averaged image (if it closes the connection first, the answer is on the call).
         Errors: FAILED_PRECONDITION (group not known here yet: the sender may retry), ABORTED (the
