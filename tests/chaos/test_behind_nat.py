@@ -123,8 +123,15 @@ def averaged_in(nodes: list[NodeProcess], client: NodeProcess, outer: int) -> bo
 
 
 def first_round_with_client(nodes: list[NodeProcess], client: NodeProcess, after: int = -1) -> int | None:
+    """The first round after `after` in a group of all the nodes to which the client contributed: a
+    client that joins while the others are a round ahead is repaired and sits its first round out
+    with weight 0 (nothing sent), by design."""
     ids = {n.info["node_id"] for n in nodes}
-    rounds = sorted(o for o, last in cold_rounds(client).items() if o > after and set(last["group"]) == ids)
+    rounds = sorted(
+        o
+        for o, last in cold_rounds(client).items()
+        if o > after and set(last["group"]) == ids and last["bytes_sent"] > 0
+    )
     return rounds[0] if rounds else None
 
 
