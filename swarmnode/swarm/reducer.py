@@ -121,8 +121,6 @@ class SpareBuffers:
         self.limit_bytes = limit_bytes
         self._free: dict[int, list[memoryview]] = {}
         self._lock = threading.Lock()  # a round may be collected on whichever thread drops it last
-        self.fresh = 0
-        """Buffers allocated because none was spare."""
 
     def take(self, size: int) -> memoryview:
         """`size` writable bytes, not zero-filled; `give` its whole buffer back (`view.obj`)."""
@@ -133,7 +131,6 @@ class SpareBuffers:
                 return free.pop()[:size]
             if self._held() + capacity > self.limit_bytes:
                 self._free.clear()  # other sizes (another group size, or model) filled it: start over
-            self.fresh += 1
         return codecs.receive_buffer(capacity)[:size]
 
     def give(self, views: list[memoryview]) -> None:

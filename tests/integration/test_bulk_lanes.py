@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -214,6 +215,22 @@ class LaneSender(RawSender):
                 call.cancel()
 
 
+async def with_a_client_sender(
+    timeout_s: float, deltas: list[torch.Tensor], weights: list[float], sends: Any
+) -> tuple[GroupSpec, list, torch.Tensor | None]:
+    """Two nodes average with member 2, a hand-driven client member (it reduces nothing) whose two
+    sends `sends(sender, nodes)` gives; returns the group, the nodes' results and the first send's."""
+    async with swarm(2) as nodes:
+        members = [nodes[0].member, nodes[1].member, Member("03", "", reachable=False)]
+        spec = group(members, timeout_s=timeout_s)
+        assert all(node.servicer.expect(spec) for node in nodes)
+        sender = LaneSender(spec, 2, deltas[2], weights[2])
+        results, part0, _ = await asyncio.gather(
+            allreduce(nodes, spec, deltas[:2], weights[:2]), *sends(sender, nodes)
+        )
+        return spec, results, part0
+
+
 def test_a_sender_whose_lane_breaks_is_left_out_of_that_part_at_once() -> None:
     """Member 2 (hand-driven, a client member: it reduces nothing) delivers part 0 whole on reducer
     0's lane and closes reducer 1's lane half-way: reducer 1 stops waiting for it then, not at its
@@ -221,20 +238,17 @@ def test_a_sender_whose_lane_breaks_is_left_out_of_that_part_at_once() -> None:
     n, timeout_s = 3 * 2**20, 8.0
     deltas, weights = random_deltas(3, n, seed=13), [1.0, 2.0, 3.0]
 
-    async def scenario() -> tuple[GroupSpec, list, torch.Tensor | None]:
-        async with swarm(2) as nodes:
-            members = [nodes[0].member, nodes[1].member, Member("03", "", reachable=False)]
-            spec = group(members, timeout_s=timeout_s)
-            assert all(node.servicer.expect(spec) for node in nodes)
-            sender = LaneSender(spec, 2, deltas[2], weights[2])
-            results, part0, _ = await asyncio.gather(
-                allreduce(nodes, spec, deltas[:2], weights[:2]),
+    spec, results, part0 = run(
+        with_a_client_sender(
+            timeout_s,
+            deltas,
+            weights,
+            lambda sender, nodes: (
                 sender.send_on_lane(nodes[0].address, 0),
                 sender.send_on_lane(nodes[1].address, 1, stop_at=0.5),
-            )
-            return spec, results, part0
-
-    spec, results, part0 = run(scenario())
+            ),
+        )
+    )
     assert max(r.seconds for r in results) < timeout_s / 4  # member 2's broken lane ended the wait
     assert_identical(results)
     assert results[0].included == (frozenset({0, 1, 2}), frozenset({0, 1}), frozenset())
@@ -375,20 +389,17 @@ def test_a_late_sender_on_a_lane_is_left_out_but_still_gets_the_average() -> Non
     n, timeout_s = 3 * 2**20, 2.0
     deltas, weights = random_deltas(3, n, seed=16), [1.0, 2.0, 3.0]
 
-    async def scenario() -> tuple[GroupSpec, list, torch.Tensor | None]:
-        async with swarm(2) as nodes:
-            members = [nodes[0].member, nodes[1].member, Member("03", "", reachable=False)]
-            spec = group(members, timeout_s=timeout_s)
-            assert all(node.servicer.expect(spec) for node in nodes)
-            late = LaneSender(spec, 2, deltas[2], weights[2])
-            results, part0, _ = await asyncio.gather(
-                allreduce(nodes, spec, deltas[:2], weights[:2]),
+    spec, results, part0 = run(
+        with_a_client_sender(
+            timeout_s,
+            deltas,
+            weights,
+            lambda late, nodes: (
                 late.send_on_lane(nodes[0].address, 0, stop_at=0.5, stall=True),
                 late.send_on_lane(nodes[1].address, 1),
-            )
-            return spec, results, part0
-
-    spec, results, part0 = run(scenario())
+            ),
+        )
+    )
     assert_identical(results)
     assert results[0].included == (frozenset({0, 1}), frozenset({0, 1, 2}), frozenset())
     got = results[0].averaged.delta
