@@ -58,8 +58,8 @@ TIMEOUT_S = 4 * 3600.0
 SIDE_PROCESSES = 3
 """Worker processes at once (the three sides of a comparison; a sweep's jobs queue for them)."""
 
-# The defaults (README "Model quality"): H, outer lr, momentum and the merge from the sweep and the
-# 20-round screen (DiLoCo's best H with DP bytes / DiLoCo bytes ≥ 100); each side's peak learning rate
+# The defaults (README "Model quality"): H (DiLoCo's best with DP bytes / DiLoCo bytes ≥ 100), outer lr
+# and momentum from the sweep and the 20-round screen, the merge's α and each side's peak learning rate
 # its best at the default length. 80 rounds, because at 40 the comparison had not settled: DiLoCo / DP
 # fell from 1.17 (round 20) to 1.11 (40) and only levels out at 1.04-1.06 from round 60.
 DEFAULT_WORKERS = 4
@@ -67,7 +67,7 @@ DEFAULT_INNER_STEPS = 100
 DEFAULT_ROUNDS = 80
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.9
-DEFAULT_OUTER_MIX = 0.5
+DEFAULT_OUTER_MIX = 0.3
 DEFAULT_LR = {"diloco": 3e-3, "dp": 1.6e-2, "single": 2e-3}
 
 

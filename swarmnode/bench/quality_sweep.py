@@ -25,7 +25,7 @@ from swarmnode.bench.runner import BenchResult
 OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
 INNER_STEPS = (50, 100, 250)
 PEAK_LRS = (1e-3, 2e-3, 3e-3, 4e-3, 8e-3, 1.6e-2)
-OUTER_MIXES = (0.0, 0.5)
+OUTER_MIXES = (0.0, 0.3, 0.5)
 MIN_BYTES_RATIO = 100
 
 

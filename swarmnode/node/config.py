@@ -59,7 +59,7 @@ class NodeConfig:
     total_steps: int | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    outer_mix: float = 0.5
+    outer_mix: float = 0.3
     batch_size: int = 8
     seq_len: int = 128
     num_shards: int = 16

@@ -75,8 +75,9 @@ def test_sweep_picks_each_sides_best_and_a_frugal_h(monkeypatch: pytest.MonkeyPa
     assert {j.outer_mix for j in asked if j.side is Side.DILOCO} == set(quality_sweep.OUTER_MIXES)
     assert comparison.diloco.job.inner_steps == 100
     notes = {f.name: f.note for f in result.figures}
-    assert "best overall" in notes["sweep: DiLoCo H=50 outer lr 1 outer mix 0.5 peak lr 0.002"]
-    assert "chosen" in notes["sweep: DiLoCo H=100 outer lr 1 outer mix 0.5 peak lr 0.002"]
+    mix = f"outer mix {Setup().outer_mix:g}"
+    assert "best overall" in notes[f"sweep: DiLoCo H=50 outer lr 1 {mix} peak lr 0.002"]
+    assert "chosen" in notes[f"sweep: DiLoCo H=100 outer lr 1 {mix} peak lr 0.002"]
 
 
 def test_plot_is_a_png_with_three_labelled_series(tmp_path: Path) -> None:
