@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from swarmnode.bench import quality
 from swarmnode.cli.main import build_parser
+from swarmnode.core.diloco import DilocoConfig
 from swarmnode.node.config import FLAGS, NodeConfig, build_run_parser, load_config
 from swarmnode.util.errors import ConfigError
 
@@ -26,6 +28,11 @@ def test_defaults_follow_the_design() -> None:
     assert (cfg.grpc_port, cfg.dht_port, cfg.metrics_port) == (50051, 8468, 9464)
     assert (cfg.outer_lr, cfg.outer_momentum) == (0.7, 0.9)
     assert cfg.identity_path == Path("swarmnode-data/identity.key")
+
+
+def test_the_merge_default_is_the_one_the_quality_bench_chose() -> None:
+    """`node/config.py` stays free of torch, so it spells α out; it must be core's (and the bench's)."""
+    assert parse([]).outer_mix == DilocoConfig().outer_mix == quality.DEFAULT_OUTER_MIX
 
 
 def test_precedence_is_flag_over_env_over_toml(tmp_path: Path) -> None:
