@@ -9,10 +9,11 @@ without a network, at equal tokens per worker; the held-out loss of each side af
 - One worker: one model on the whole corpus (no shard: it trains alone), H·R steps of the same batch.
 
 Every side runs the same schedule shape (linear warm-up over `WARMUP_FRACTION` of the steps, then a
-cosine to 10% of the peak) at its own peak learning rate, each side's best from the sweep (never a
-weakened baseline). Each side trains in a worker process with one torch thread and deterministic
-kernels (the node's settings with `--threads 1`), the sides at once. Bytes per worker: DiLoCo sends
-2 × params × 4 bytes (fp32) per outer step, DP the same per step; so DP sends H times as many.
+cosine to zero, the schedule's `DEFAULT_FINAL_FRACTION`) at its own peak learning rate, each side's
+best from the sweep (never a weakened baseline). Each side trains in a worker process with one torch
+thread and deterministic kernels (the node's settings with `--threads 1`), the sides at once. Bytes per
+worker: DiLoCo sends 2 × params × 4 bytes (fp32) per outer step, DP the same per step; so DP sends H
+times as many.
 
 `--variants` also runs, beside blocking DiLoCo at equal tokens and the same learning rates: `overlap`,
 the overlapped outer step of `--overlap on` with each round's average landing `OVERLAP_SHARE`·H inner

@@ -39,6 +39,7 @@ def node_args(job: SideJob, shard: int) -> list[str]:
         *("--inner-steps", str(job.inner_steps), "--max-outer-steps", str(job.rounds)),
         *("--inner-lr", str(job.lr), "--lr-schedule", str(schedule.kind)),
         *("--inner-warmup-steps", str(schedule.warmup_steps), "--total-steps", str(schedule.total_steps)),
+        *("--final-lr-fraction", str(schedule.final_fraction)),
         *("--outer-lr", str(job.outer_lr), "--outer-momentum", str(job.outer_momentum)),
         *("--outer-mix", str(job.outer_mix)),
         *("--wire-dtype", "fp32", "--wait-peers", str(job.workers - 1)),

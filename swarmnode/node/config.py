@@ -20,7 +20,7 @@ from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
-from swarmnode.core.schedule import LR_SCHEDULES, InnerSchedule, LrSchedule
+from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.swarm.grouping import MIN_GROUP_SIZE
 from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
@@ -57,6 +57,7 @@ class NodeConfig:
     lr_schedule: str = "constant"
     inner_warmup_steps: int = 0
     total_steps: int | None = None
+    final_lr_fraction: float = DEFAULT_FINAL_FRACTION
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_mix: float = 0.3
@@ -121,7 +122,7 @@ class NodeConfig:
         if total is None and self.max_outer_steps is not None:
             total = steps_in_rounds(self.inner_steps, self.fragments, self.max_outer_steps)
         try:
-            return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total)
+            return InnerSchedule(LrSchedule.COSINE, self.inner_warmup_steps, total, self.final_lr_fraction)
         except ValueError:
             raise ConfigError(
                 f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
@@ -376,7 +377,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "lr_schedule",
         _choice(LR_SCHEDULES),
-        "inner learning-rate schedule after the warm-up: constant, or cosine down to 10% at --total-steps",
+        "inner learning-rate schedule after the warm-up: constant, or cosine down to --final-lr-fraction of "
+        "the peak at --total-steps",
         choices=LR_SCHEDULES,
     ),
     Flag("inner_warmup_steps", _non_negative_int, "inner steps of linear learning-rate warm-up"),
@@ -385,6 +387,13 @@ FLAGS: tuple[Flag, ...] = (
         _positive_int,
         "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps / --fragments; "
         "must agree across the run)",
+    ),
+    Flag(
+        "final_lr_fraction",
+        _fraction,
+        "where a cosine schedule ends, as a fraction of the peak (0: straight to zero; held after "
+        "--total-steps; must agree across the run)",
+        metavar="F",
     ),
     Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
     Flag("outer_momentum", _fraction, "outer Nesterov momentum"),

@@ -112,6 +112,15 @@ def test_bulk_port_is_a_port_zero_for_any_or_off() -> None:
         parse(["--bulk-port", "lanes"], {})
 
 
+def test_final_lr_fraction_sets_where_the_cosine_ends_from_flag_or_env() -> None:
+    cosine = ["--lr-schedule", "cosine", "--total-steps", "100"]
+    assert parse(cosine).inner_schedule.factor(100) == 0.0
+    assert parse([*cosine, "--final-lr-fraction", "0.1"]).inner_schedule.factor(100) == 0.1
+    assert parse(cosine, {"SWARMNODE_FINAL_LR_FRACTION": "0.05"}).inner_schedule.final_fraction == 0.05
+    with pytest.raises(ConfigError, match="--final-lr-fraction: must be between 0 and 1"):
+        parse([*cosine, "--final-lr-fraction", "1.5"])
+
+
 def test_fragments_cut_each_h_steps_into_k_rounds_from_flag_or_env() -> None:
     cfg = parse(
         ["--inner-steps", "50", "--max-outer-steps", "8", "--lr-schedule", "cosine"],

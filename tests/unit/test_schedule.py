@@ -13,7 +13,7 @@ from swarmnode.core.data import Batch
 from swarmnode.core.diloco import DilocoConfig, DilocoTrainer
 from swarmnode.core.model import build_model
 from swarmnode.core.presets import ModelConfig
-from swarmnode.core.schedule import FINAL_LR_FRACTION, InnerSchedule, LrSchedule
+from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, InnerSchedule, LrSchedule
 from swarmnode.node.config import NodeConfig
 from swarmnode.util.errors import ConfigError
 
@@ -32,12 +32,14 @@ def trainer(schedule: InnerSchedule) -> DilocoTrainer:
     return DilocoTrainer(model, DilocoConfig(inner_lr=1e-2, schedule=schedule), torch.device("cpu"))
 
 
-def test_warm_up_is_linear_then_cosine_decays_to_its_floor() -> None:
-    factors = [COSINE.factor(t) for t in range(24)]
+@pytest.mark.parametrize("floor", [DEFAULT_FINAL_FRACTION, 0.1])
+def test_warm_up_is_linear_then_cosine_decays_to_its_floor(floor: float) -> None:
+    schedule = InnerSchedule(LrSchedule.COSINE, warmup_steps=4, total_steps=20, final_fraction=floor)
+    factors = [schedule.factor(t) for t in range(24)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert factors[4] == 1.0 and all(a > b for a, b in zip(factors[4:20], factors[5:20], strict=False))
-    assert factors[12] == pytest.approx(FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) / 2)
-    assert factors[20:] == [FINAL_LR_FRACTION] * 4
+    assert factors[12] == pytest.approx(floor + (1 - floor) / 2)
+    assert factors[20:] == [floor] * 4
     constant = InnerSchedule(LrSchedule.CONSTANT, warmup_steps=2)
     assert [constant.factor(t) for t in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
 
@@ -68,6 +70,17 @@ def test_schedule_position_survives_a_state_round_trip_bitwise() -> None:
     for name, tensor in straight.state_tensors().items():
         if not name.startswith("rng/"):
             assert torch.equal(tensor, resumed.state_tensors()[name]), name
+
+
+def test_the_cosine_goes_straight_to_zero_unless_told_otherwise() -> None:
+    assert DEFAULT_FINAL_FRACTION == 0.0 and COSINE.factor(20) == 0.0
+    flagged = NodeConfig(lr_schedule="cosine", total_steps=100, final_lr_fraction=0.1)
+    assert flagged.inner_schedule.final_fraction == 0.1 and flagged.inner_schedule.factor(100) == 0.1
+    with pytest.raises(ValueError, match="final learning-rate fraction"):
+        InnerSchedule(LrSchedule.COSINE, 0, 10, final_fraction=1.5)
+    # Nodes whose cosines end apart never average together: the floor is part of the run's digest.
+    assert COSINE.describe()["final_fraction"] == 0.0
+    assert "final_fraction" not in InnerSchedule().describe()  # a constant schedule has no end
 
 
 def test_cosine_needs_an_end_and_a_warm_up_shorter_than_it() -> None:
