@@ -44,7 +44,7 @@ from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.fragments import FragmentPlan, round_steps
 from swarmnode.core.model import build_model, configure_determinism, count_parameters
 from swarmnode.core.presets import preset
-from swarmnode.core.schedule import InnerSchedule, LrSchedule
+from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, InnerSchedule, LrSchedule
 from swarmnode.swarm import codecs
 from swarmnode.swarm.reducer import Contribution, average
 from swarmnode.util.errors import ConfigError
@@ -114,6 +114,8 @@ class SideJob:
     outer_mix: float = DEFAULT_OUTER_MIX
     """α of the merge after each outer step (`DilocoConfig.outer_mix`; DiLoCo's sides only)."""
     heldout_batches: int = HELDOUT_BATCHES
+    final_fraction: float = DEFAULT_FINAL_FRACTION
+    """Where every side's cosine ends, as a fraction of its peak (`InnerSchedule.final_fraction`)."""
 
     @property
     def total_steps(self) -> int:
@@ -122,7 +124,8 @@ class SideJob:
     @property
     def schedule(self) -> InnerSchedule:
         warmup = max(1, round(WARMUP_FRACTION * self.total_steps))
-        return InnerSchedule(LrSchedule.COSINE, warmup, max(self.total_steps, warmup + 1))
+        end = max(self.total_steps, warmup + 1)
+        return InnerSchedule(LrSchedule.COSINE, warmup, end, self.final_fraction)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "side": str(self.side)}
@@ -403,7 +406,7 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
         note = f"peak lr {curve.job.lr:g}"
         if curve is d:
             note += f", outer lr {curve.job.outer_lr:g}, outer mix {curve.job.outer_mix:g}"
-        note += f"; {curve.seconds:.0f} s"
+        note += f", cosine to {curve.job.final_fraction:g}× peak; {curve.seconds:.0f} s"
         result.add(f"{label}: {curve.label} held-out loss", curve.final, "nats", note)
     result.add(f"{label}: DiLoCo bytes communicated", exchange * d.job.rounds / 1e6, "MB", setup)
     result.add(f"{label}: sync DP bytes communicated", exchange * comparison.dp.job.total_steps / 1e6, "MB")

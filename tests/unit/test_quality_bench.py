@@ -105,10 +105,10 @@ def test_swarm_nodes_get_the_simulated_workers_settings() -> None:
     from swarmnode.bench.swarm_quality import node_args
     from swarmnode.node.config import build_run_parser, load_config
 
-    job = Setup(workers=4, inner_steps=25, rounds=6).job(Side.DILOCO)
+    job = Setup(workers=4, inner_steps=25, rounds=6).job(Side.DILOCO, final_fraction=0.1)  # not the default
     args = build_run_parser(argparse.ArgumentParser()).parse_args(node_args(job, 2))
     cfg = load_config(vars(args), {}, None)
-    assert cfg.inner_schedule == job.schedule
+    assert cfg.inner_schedule == job.schedule and cfg.inner_schedule.final_fraction == 0.1
     assert (cfg.inner_lr, cfg.outer_lr, cfg.outer_momentum) == (job.lr, job.outer_lr, job.outer_momentum)
     assert (cfg.shard, cfg.num_shards, cfg.inner_steps, cfg.max_outer_steps) == (2, 4, 25, 6)
     assert (cfg.batch_size, cfg.seq_len, cfg.seed, cfg.threads) == (quality.BATCH_SIZE, quality.SEQ_LEN, 0, 1)
