@@ -69,7 +69,7 @@ DEFAULT_ROUNDS = 80
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_OUTER_MIX = DilocoConfig.outer_mix  # the node's default is the one chosen here
-DEFAULT_LR = {"diloco": 3e-3, "dp": 1.6e-2, "single": 2e-3}
+DEFAULT_LR = {"diloco": 3e-3, "dp": 1.6e-2, "single": 4e-3}
 
 
 OVERLAP_SHARE = 0.25
