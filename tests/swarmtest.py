@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,17 @@ def with_metadata(
     if not keep_original:
         path.unlink()
     return crafted
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[None]:
+    """A tmpfs of `size` (e.g. "12m") mounted on `path` (a small disk that fills up); skips without root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -88,6 +88,8 @@ def format_status(status: NodeStatus) -> str:
     ]
     if status.reachability:
         lines.append(f"reachability {status.reachability}")
+    if status.snapshot_error:
+        lines.append(f"WARNING: {status.snapshot_error}")
     if status.last_group:
         lines.append(
             f"last round: group of {len(status.last_group)}, coverage {status.last_coverage}, "

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.node.config import FLAG_BY_FIELD, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
-from swarmnode.util.errors import ConfigError
+from swarmnode.util.errors import ConfigError, StateNotSaved
 
 logger = logging.getLogger("swarmnode")
 
@@ -193,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"swarmnode {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except StateNotSaved as exc:
+        print(f"swarmnode {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

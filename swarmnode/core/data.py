@@ -87,11 +87,12 @@ def _text_corpus(files: list[Path], description: str) -> Corpus:
 
 
 def _token_file(path: Path) -> Corpus:
-    if path.stat().st_size % 2:
+    size = path.stat().st_size
+    if size == 0:  # (numpy cannot map an empty file: say which flag gave it)
+        raise ValueError(f"--data: empty token file {str(path)!r}")
+    if size % 2:
         raise ValueError(f"--data: a .bin token file holds uint16 tokens, odd size in {str(path)!r}")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if len(tokens) == 0:
-        raise ValueError(f"--data: empty token file {str(path)!r}")
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 24):

@@ -129,6 +129,8 @@ class NodeStatus:
     repairs: int = 0
     reachability: str = ""
     """"reachable" or "client" (README "Behind NAT"); "" from an older node."""
+    snapshot_error: str = ""
+    """"" while the node's snapshots are written; else why its newest state is not on disk."""
 
 
 def meta_to_pb(meta: SnapshotMeta | SnapshotInfo) -> pb.SnapshotMeta:
@@ -162,7 +164,7 @@ def meta_from_pb(msg: pb.SnapshotMeta) -> SnapshotMeta:
 _OPTIONAL_STATUS_FIELDS = ("last_loss", "last_coverage", "last_allreduce_s")
 _PLAIN_STATUS_FIELDS = (
     *("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step"),
-    *("tokens_per_s", "peers", "global_digest", "repairs", "reachability"),
+    *("tokens_per_s", "peers", "global_digest", "repairs", "reachability", "snapshot_error"),
 )
 
 

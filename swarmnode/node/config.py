@@ -166,11 +166,23 @@ def _check_combinations(cfg: NodeConfig) -> None:
             raise ConfigError(f"{flag}: at most {MAX_TIMEOUT_S:g} seconds, got {value:g}")
     if not cfg.max_norm_ratio > 1:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
-    if cfg.metrics_port and cfg.metrics_port == cfg.grpc_port:
-        raise ConfigError(f"--metrics-port: clashes with --grpc-port, got {cfg.metrics_port}")
+    _check_port_clashes(cfg)
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
+
+
+def _check_port_clashes(cfg: NodeConfig) -> None:
+    """The TCP listeners (gRPC, metrics, bulk lanes) need ports of their own (the DHT's is UDP)."""
+    tcp = (
+        ("--grpc-port", cfg.grpc_port),
+        ("--metrics-port", cfg.metrics_port),
+        ("--bulk-port", cfg.bulk_port),
+    )
+    for i, (flag, port) in enumerate(tcp):
+        for other, other_port in tcp[:i]:
+            if port and port == other_port:
+                raise ConfigError(f"{flag}: port {port} is also {other}'s; each listener needs its own port")
 
 
 def _check_schedule(cfg: NodeConfig) -> None:
@@ -586,12 +598,18 @@ def parse_flag(flag: Flag, raw: Any, source: str) -> Any:
 
 def _from_toml(path: Path) -> dict[str, Any]:
     try:
-        document = tomllib.loads(path.read_text())
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config: {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config: {str(path)!r} is not valid TOML: {exc}") from None
     table = document.get("swarmnode", document)
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"--config: 'swarmnode' in {str(path)!r} must be a table ([swarmnode]), got {table!r}"
+        )
     values: dict[str, Any] = {}
     for key, raw in table.items():
         name = key.replace("-", "_")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from swarmnode.node.config import NodeConfig
 from swarmnode.node.overlap import OverlappedRounds
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
-from swarmnode.node.startup import lock_data_dir, preflight
+from swarmnode.node.startup import FreshDataDir, StartChecks, lock_data_dir, preflight
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.joining import peer_fetcher, restore_at_start
@@ -41,6 +42,7 @@ from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
 from swarmnode.swarm.rounds import RoundResult
 from swarmnode.util import clock, faults
 from swarmnode.util.aio import settle
+from swarmnode.util.errors import ConfigError, StateNotSaved
 from swarmnode.util.labels import RecoverySource, RoundFailure
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import TrainingThread
@@ -66,12 +68,27 @@ class NodeParts:
     metrics: Metrics
     data_dir_lock: int
     """The descriptor holding DATA_DIR/node.lock for the process's life."""
+    fresh: FreshDataDir
+    """What the data dir held before this start (undone if the services cannot start)."""
 
 
 def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
-    """The start-up checks, then the data dir's lock, then the pieces (ValueError: exit 2)."""
+    """The start-up checks, then the data dir's lock, then the pieces (ValueError: exit 2). A failure
+    after the checks leaves the data dir as it was (`FreshDataDir`)."""
     checked = preflight(cfg)
+    fresh = FreshDataDir.note(cfg)
     lock = lock_data_dir(cfg.data_dir)
+    try:
+        return _assemble(cfg, checked, lock, fresh, metrics or Metrics())
+    except BaseException:
+        os.close(lock)
+        fresh.undo()
+        raise
+
+
+def _assemble(
+    cfg: NodeConfig, checked: StartChecks, lock: int, fresh: FreshDataDir, metrics: Metrics
+) -> NodeParts:
     identity = Identity.load_or_create(cfg.identity_path)
     checked.security.check_node_certificate(identity.node_id_hex)
     configure_determinism(checked.device, cfg.threads)
@@ -89,7 +106,6 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
     digest = run_digest(
         cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
     )
-    metrics = metrics or Metrics()
     run_identity = RunIdentity(cfg.run_id, identity.node_id_hex, digest, corpus_digest, cfg.model)
     run = TrainingRun(
         checked.model_cfg, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
@@ -112,6 +128,7 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
         Ledger(cfg.data_dir, identity.node_id_hex),
         metrics,
         lock,
+        fresh,
     )
     _log_built(parts, checked.corpus.description, len(checked.corpus.tokens), shard)
     return parts
@@ -143,21 +160,33 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
     training = TrainingThread()
     try:
         async with contextlib.AsyncExitStack() as stack:
-            services = await start_services(
-                stack,
-                parts.cfg,
-                parts.identity,
-                parts.security,
-                parts.checkpointer,
-                parts.metrics,
-                parts.run.identity.run_digest,
-                parts.dht_run,
-                lambda peers: board.status(parts.run.sample, peers),
-            )
+            services = await _start_services_or_undo(parts, stack, board)
             write_node_file(parts.cfg, services.ports, parts.run)
             return await Node(parts, services, board, training, progress).run()
     finally:
         training.close()
+
+
+async def _start_services_or_undo(
+    parts: NodeParts, stack: contextlib.AsyncExitStack, board: StatusBoard
+) -> Services:
+    """The node's services; a port taken since the start-up checks leaves the data dir as it was."""
+    try:
+        return await start_services(
+            stack,
+            parts.cfg,
+            parts.identity,
+            parts.security,
+            parts.checkpointer,
+            parts.metrics,
+            parts.run.identity.run_digest,
+            parts.dht_run,
+            lambda peers: board.status(parts.run.sample, peers),
+        )
+    except ConfigError:
+        await stack.aclose()
+        parts.fresh.undo()
+        raise
 
 
 def many_peer_fetch(parts: NodeParts, channels: rpc.ChannelCache) -> ManyPeerFetch | None:
@@ -228,6 +257,7 @@ class Node:
         )
         self.reachability = services.reachability
         board.reachability = lambda: str(self.reachability.mode)
+        board.snapshot_error = lambda: parts.checkpointer.save_health().describe()
         self.recovery = Recovery(
             parts.run,
             training,
@@ -256,6 +286,7 @@ class Node:
         finally:
             await settle(prober)
         await self.training.run(self._final_snapshot)
+        unsaved = self._unsaved_at_stop()
         if self._pending_receipt is not None:  # stopped before a single inner step
             self._write_receipt(self._pending_receipt)
         await self.membership.flush()
@@ -269,7 +300,28 @@ class Node:
         )
         if self._duplicate is not None:
             raise self._duplicate
+        if unsaved:
+            raise StateNotSaved(unsaved)
         return 0
+
+    def _unsaved_at_stop(self) -> str:
+        """After the final snapshot: "" when the state the node stops at is on disk, else one line
+        naming the newest step on disk and what a restart loses."""
+        health, sample = self.parts.checkpointer.save_health(), self.run_state.sample
+        newest = health.newest_on_disk
+        if health.failing is None or newest == (sample.outer_step, sample.inner_step):
+            return ""
+        stopped = f"o{sample.outer_step}/i{sample.inner_step}"
+        if newest is None:
+            return (
+                f"the final snapshot failed ({health.failing}) and no snapshot is on disk: a restart "
+                f"starts again instead of resuming at {stopped}"
+            )
+        return (
+            f"the final snapshot failed ({health.failing}): the newest snapshot on disk is "
+            f"o{newest[0]}/i{newest[1]}, so a restart loses the {sample.inner_step - newest[1]} inner "
+            f"steps up to {stopped} (trained again from there)"
+        )
 
     def _on_duplicate(self, duplicate: DuplicateIdentity) -> None:
         """This running node is the younger of two with one identity: it stops, and exits 2 (the CLI

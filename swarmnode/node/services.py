@@ -380,6 +380,8 @@ class StatusBoard:
     repairs: int = 0
     reachability: Callable[[], str] = lambda: ""
     """This node's mode now ("reachable" or "client")."""
+    snapshot_error: Callable[[], str] = lambda: ""
+    """Why the node's newest state is not on disk ("" while snapshots are written)."""
 
     def status(self, sample: TrainingSample, peers: int) -> rpc.NodeStatus:
         """The gRPC status answer: the training thread's published sample and this board."""
@@ -396,6 +398,7 @@ class StatusBoard:
             peers=peers,
             global_digest=sample.global_digest,
             reachability=self.reachability(),
+            snapshot_error=self.snapshot_error(),
             **_round_status(self.last_round, self.repairs),
         )
 

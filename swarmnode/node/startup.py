@@ -1,12 +1,17 @@
 """What a node checks before anything listens, and its hold on its data dir.
 
-`preflight` runs every start-up check with no side effect (a real start and `--dry-run` both run it);
-each failure is one line naming the flag and the value (ConfigError: exit 2). `lock_data_dir` takes the
-data dir for the process's life: two processes never share one.
+`preflight` runs every start-up check with no side effect (a real start and `--dry-run` both run it):
+the data dir (writable, not in use by another node), the identity, the listening host and ports, TLS,
+the device, the corpus and the model; each failure is one line naming the flag and the value
+(ConfigError: exit 2). `lock_data_dir` takes the data dir for the process's life: two processes never
+share one. `FreshDataDir` undoes what a start created in a data dir when it fails before training
+(a check that needs the node's key, a port taken between the check and the bind).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -46,9 +51,11 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     the loader's own, each one line naming the flag and the value) for the first that fails."""
     _check_writable_dir(cfg.data_dir, "--data-dir")
     _check_writable_dir(cfg.snapshot_dir, "--data-dir", cfg.data_dir)
+    _check_not_locked(cfg.data_dir)
     _check_identity_file(cfg)
     _check_bindable(cfg.host)
     security = Security.from_files(cfg.swarm_token, cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    _check_ports(cfg, bulk_lanes=not security.tls)
     device = select_device(cfg.device)
     try:
         corpus = load_corpus(cfg.data)
@@ -116,6 +123,73 @@ def _check_bindable(host: str) -> None:
             probe.bind(address)
     except OSError as exc:
         raise ConfigError(f"--host: cannot listen on it ({exc.strerror}), got {host!r}") from None
+
+
+def _check_ports(cfg: NodeConfig, bulk_lanes: bool) -> None:
+    """Every fixed port the node will listen on is free now (port 0 is picked at bind time): each is
+    bound by a probe socket, closed at once. The servers' own binds still name the flag if a port is
+    taken between this check and them."""
+    wanted = [
+        ("--grpc-port", cfg.grpc_port, socket.SOCK_STREAM),
+        ("--metrics-port", cfg.metrics_port, socket.SOCK_STREAM),
+        ("--dht-port", cfg.dht_port, socket.SOCK_DGRAM),
+    ]
+    if bulk_lanes and cfg.bulk_port is not None:  # (no lanes on a TLS swarm: `services.py`)
+        wanted.append(("--bulk-port", cfg.bulk_port, socket.SOCK_STREAM))
+    family, _, _, _, address = _resolve("--host", cfg.host, passive=True)
+    for flag, port, kind in wanted:
+        if port:
+            _probe_port(flag, family, kind, (address[0], port, *address[2:]), cfg.host)
+
+
+def _probe_port(flag: str, family: int, kind: int, address: tuple[Any, ...], host: str) -> None:
+    with socket.socket(family, kind) as probe:
+        if kind == socket.SOCK_STREAM:  # as the servers do: a port in TIME_WAIT is not in use
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = {errno.EADDRINUSE: "is already in use", errno.EACCES: "may not be bound by this user"}
+            refusal = reason.get(exc.errno or 0, f"cannot be bound ({exc.strerror})")
+            raise ConfigError(f"{flag}: port {address[1]} on {host} {refusal}") from None
+
+
+def _check_not_locked(data_dir: Path) -> None:
+    """No running node holds the data dir's lock (checked without creating or taking it)."""
+    try:
+        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or no dir yet): nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise ConfigError(
+            f"--data-dir: in use by another swarmnode process (pid {holder}), got {str(data_dir)!r}"
+        ) from None
+    finally:
+        os.close(fd)  # (closing drops a shared lock taken here)
+
+
+@dataclass(frozen=True)
+class FreshDataDir:
+    """What a data dir held before a start: `undo` removes what the start created, when it fails
+    before training (never a key or directory that was there before, never a non-empty directory)."""
+
+    data_dir: Path
+    created: tuple[Path, ...]
+    """Paths absent before the start that it may create, deepest first."""
+
+    @classmethod
+    def note(cls, cfg: NodeConfig) -> FreshDataDir:
+        candidates = [cfg.identity_path, cfg.data_dir / LOCK_FILE, cfg.data_dir / "node.json"]
+        candidates += [cfg.snapshot_dir, cfg.data_dir]
+        return cls(cfg.data_dir, tuple(p for p in candidates if not p.exists()))
+
+    def undo(self) -> None:
+        for path in self.created:
+            with contextlib.suppress(OSError):  # a directory the start filled: kept
+                path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def lock_data_dir(data_dir: Path) -> int:

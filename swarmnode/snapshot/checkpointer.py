@@ -6,8 +6,14 @@ thread. At most one write is in flight: a hot snapshot that falls due meanwhile 
 never waited for; a cold one waits (that wait is the stall it reports). The writer's threads run
 idle-only (SCHED_IDLE: `util/background.py`) so that they take no cycle training wants; a write still
 in flight when the next snapshot falls due, that someone waits for, or that has run idle-only for twice
-the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot starve it. A full disk
-or an unwritable directory is logged once, counted, and training goes on with the snapshots it has.
+the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot starve it.
+
+A full disk: the write makes room by removing this node's oldest snapshots early (hot ones first, never
+the newest) and tries again. A write that still fails — a full disk with nothing left to remove, an
+unwritable directory — is counted, logged as an error at most every FAILURE_LOG_INTERVAL_S per reason
+(with how many failed meanwhile and which step is the newest on disk), and reported by `save_health`
+(the node's status, a gauge, and the exit code of a stop whose final snapshot failed); training goes on
+with the snapshots it has.
 """
 
 from __future__ import annotations
@@ -48,6 +54,31 @@ logger = logging.getLogger(__name__)
 
 IDLE_GRACE_S = (2.0, 30.0)
 """Bounds of the seconds a write runs idle-only before it is hurried (see `_idle_grace_s`)."""
+FAILURE_LOG_INTERVAL_S = 60.0
+"""A failing kind of write is logged as an error at most this often (every failure is counted)."""
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class SaveHealth:
+    """Whether the training state is being saved: the last write's failure, if it failed, and the
+    newest snapshot on disk (what a restart would resume from)."""
+
+    failing: str | None = None
+    """Why the last write failed ("disk_full", "io_error"); None: it succeeded (or none ran yet)."""
+    failures_in_a_row: int = 0
+    newest_on_disk: tuple[int, int] | None = None
+    """(outer step, inner step) of the newest snapshot this node keeps; None: none."""
+
+    def describe(self) -> str:
+        """One line for people ("" while snapshots are written)."""
+        if self.failing is None:
+            return ""
+        newest = "none" if self.newest_on_disk is None else "o{}/i{}".format(*self.newest_on_disk)
+        return (
+            f"snapshot writes failing ({self.failing}, {self.failures_in_a_row} in a row); "
+            f"newest snapshot on disk: {newest}"
+        )
 
 
 @dataclass(frozen=True)
@@ -204,7 +235,9 @@ class SpeculativeCheckpointer:
         self._snapshots: list[SnapshotInfo] = []
         self._writes = 0
         self._writes_by_kind: dict[str, int] = {}
-        self._logged_failures: set[str] = set()
+        self._health = SaveHealth()
+        self._failure_logged_at: dict[str, float] = {}  # reason -> monotonic time of its last error line
+        self._failures_unlogged: dict[str, int] = {}
         self.priority = BackgroundPriority()
         """The writer's and its compressing threads' CPU priority (idle-only unless hurried)."""
         self._last_write_s = 0.0
@@ -294,20 +327,9 @@ class SpeculativeCheckpointer:
 
         started = time.perf_counter()
         try:
-            info, raw_bytes = write_snapshot(
-                self.cfg.directory,
-                job.tensors,
-                job.metadata,
-                kind=job.kind,
-                layout=self.cfg.layout,
-                level=self.cfg.hot_level if job.kind == "hot" else self.cfg.cold_level,
-                threads=self.cfg.zstd_threads,
-                fsync=job.kind == "cold",
-                on_halfway=halfway,
-                priority=self.priority,
-            )
+            info, raw_bytes = self._write_making_room(job, halfway)
         except OSError as exc:
-            self._record_failure(exc)
+            self._record_failure(exc, job.metadata)
             return
         seconds = time.perf_counter() - started
         self._last_write_s = seconds
@@ -316,6 +338,46 @@ class SpeculativeCheckpointer:
         if self.on_written is not None and info in kept:  # never announce a file retention just removed
             self.on_written(info)
 
+    def _write_making_room(self, job: _Job, halfway: Callable[[], None]) -> tuple[SnapshotInfo, int]:
+        """Write the job; on a full disk, remove the oldest snapshot that may go and try again, until
+        the write fits or nothing may go (then the OSError is the caller's)."""
+        while True:
+            try:
+                return write_snapshot(
+                    self.cfg.directory,
+                    job.tensors,
+                    job.metadata,
+                    kind=job.kind,
+                    layout=self.cfg.layout,
+                    level=self.cfg.hot_level if job.kind == "hot" else self.cfg.cold_level,
+                    threads=self.cfg.zstd_threads,
+                    fsync=job.kind == "cold",
+                    on_halfway=halfway,
+                    priority=self.priority,
+                )
+            except OSError as exc:
+                if exc.errno not in _NO_ROOM or not self._remove_one_for_room():
+                    raise
+
+    def _remove_one_for_room(self) -> bool:
+        """Remove the oldest hot snapshot (else the oldest cold one) that is not the newest of all:
+        the newest verified state always stays. False when there is none to remove."""
+        with self._lock:
+            by_age = sorted(self._snapshots, key=_rank)[:-1]
+            victim = next((i for i in by_age if i.kind == "hot"), by_age[0] if by_age else None)
+            if victim is None:
+                return False
+            self._snapshots.remove(victim)
+        victim.path.unlink(missing_ok=True)
+        self.metrics.snapshot_evictions.inc()
+        logger.warning(
+            "disk full: removed %s snapshot o%d/i%d early to make room for the next one",
+            victim.kind,
+            victim.outer_step,
+            victim.inner_step,
+        )
+        return True
+
     def _record_success(self, info: SnapshotInfo, raw_bytes: int, seconds: float) -> None:
         m = self.metrics
         m.snapshot_write.labels(info.kind).observe(seconds)
@@ -323,8 +385,10 @@ class SpeculativeCheckpointer:
         m.snapshot_raw_bytes.labels(info.kind).inc(raw_bytes)
         m.snapshot_compressed_bytes.labels(info.kind).inc(info.size_bytes)
         m.snapshot_size.labels(info.kind).set(info.size_bytes)
+        m.snapshot_save_failing.set(0)
         with self._lock:
             self._snapshots.append(info)
+            self._health = SaveHealth(newest_on_disk=(info.outer_step, info.inner_step))
         logger.info(
             "%s snapshot o%d/i%d written: %s, %.1f MB (ratio %.3f) in %.2f s",
             info.kind,
@@ -336,17 +400,40 @@ class SpeculativeCheckpointer:
             seconds,
         )
 
-    def _record_failure(self, exc: OSError) -> None:
-        reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
+    def _record_failure(self, exc: OSError, metadata: Mapping[str, Any]) -> None:
+        reason = "disk_full" if exc.errno in _NO_ROOM else "io_error"
         self.metrics.snapshot_failures.labels(reason).inc()
-        if reason not in self._logged_failures:
-            self._logged_failures.add(reason)
-            logger.error(
-                "snapshot write failed (%s): %s; training goes on with the snapshots it has "
-                "(further failures of this kind are only counted)",
+        self.metrics.snapshot_save_failing.set(1)
+        newest = self.find(None)
+        with self._lock:
+            self._health = SaveHealth(
                 reason,
-                exc,
+                self._health.failures_in_a_row + 1,
+                None if newest is None else (newest.outer_step, newest.inner_step),
             )
+        self._failures_unlogged[reason] = self._failures_unlogged.get(reason, 0) + 1
+        now = time.monotonic()
+        last = self._failure_logged_at.get(reason)
+        if last is not None and now - last < FAILURE_LOG_INTERVAL_S:
+            return
+        self._failure_logged_at[reason] = now
+        failed, self._failures_unlogged[reason] = self._failures_unlogged[reason], 0
+        logger.error(
+            "snapshot write failed (%s) at %s: %s; the newest snapshot on disk is %s, so a restart now "
+            "resumes from there (%d failed write(s) since the last such line; training goes on; free "
+            "room in %s)",
+            reason,
+            _steps(metadata),
+            exc,
+            "none" if newest is None else f"o{newest.outer_step}/i{newest.inner_step}",
+            failed,
+            self.cfg.directory,
+        )
+
+    def save_health(self) -> SaveHealth:
+        """Whether the last write failed, and the newest snapshot on disk (any thread)."""
+        with self._lock:
+            return self._health
 
     def _apply_retention(self) -> list[SnapshotInfo]:
         """Delete the catalog's oldest snapshots beyond --keep-hot/--keep-cold; the catalog only ever

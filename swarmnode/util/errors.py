@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     it and the value. The CLI prints it and exits 2."""
 
 
+class StateNotSaved(RuntimeError):
+    """The node stopped, but the state it stopped at is not on disk: a restart loses work. The message
+    is one line naming the newest step on disk; the CLI prints it and exits 1."""
+
+
 class PeerFault(Exception):
     """Something a peer did, or failed to do: it is counted by `reason` (one of `labels.FetchFailure`),
     logged once and survived. Anything else that goes wrong while talking to a peer is a bug here:

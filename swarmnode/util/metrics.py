@@ -103,6 +103,16 @@ class Metrics:
             "swarmnode_snapshot_failures", "Snapshot writes that failed", ["reason"], registry=r
         )
         self.snapshot_age = Gauge("swarmnode_snapshot_age_seconds", "Age of the newest snapshot", registry=r)
+        self.snapshot_save_failing = Gauge(
+            "swarmnode_snapshot_save_failing",
+            "1 while the last snapshot write failed (the newest state is not on disk), else 0",
+            registry=r,
+        )
+        self.snapshot_evictions = Counter(
+            "swarmnode_snapshot_evictions",
+            "Snapshots removed before retention would have, to make room on a full disk",
+            registry=r,
+        )
         for kind in SNAPSHOT_KINDS:
             for metric in (
                 self.snapshot_stall,

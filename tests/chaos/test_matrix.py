@@ -35,6 +35,7 @@ from swarmtest import (
     scrape,
     start_swarm,
     stop_all,
+    tmpfs,
     wait_for,
 )
 
@@ -293,14 +294,3 @@ def veth_namespace() -> Iterator[tuple[str, str, str, str]]:
     finally:
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[None]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs (the full disk) needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)

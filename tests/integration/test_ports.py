@@ -1,6 +1,7 @@
 """A port in use is never shared: the gRPC server binds without SO_REUSEPORT, and a `swarmnode run`
-whose gRPC, DHT or metrics port is taken exits 2 with one line naming the flag; the node that holds the
-port goes on answering alone."""
+whose gRPC, DHT, metrics or bulk-lane port is taken exits 2 with one line naming the flag, found by the
+start-up checks (before anything listens or is created in its data dir); the node that holds the port
+goes on answering alone."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_a_node_whose_port_is_taken_exits_2_naming_the_flag(tmp_path: Path, reap
         assert output_lines(second) == [
             f"swarmnode run: error: {flag}: port {port} on {LOCALHOST} is already in use"
         ]
-        assert not (second.data_dir / "node.json").exists()
+        # found by the start-up checks: nothing listened, and the fresh data dir holds only the log
+        assert [p.name for p in second.data_dir.iterdir()] == [second.log_path.name]
 
     async def answers() -> list[str]:  # fresh connections, any of which a second listener could take
         return [(await snapshot_client.get_status(first.grpc_address)).node_id for _ in range(8)]

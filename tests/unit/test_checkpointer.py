@@ -13,7 +13,7 @@ from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot
 from swarmnode.util import faults
 from swarmnode.util.metrics import Metrics
-from swarmtest import sound_file, with_metadata
+from swarmtest import sound_file, tmpfs, with_metadata
 
 NODE = "ab" * 20
 RUN = "1" * 64
@@ -131,6 +131,65 @@ def test_unwritable_directory_is_counted_and_survived(tmp_path: Path) -> None:
         ckpt.close()
     assert sample(metrics, "swarmnode_snapshot_failures_total", reason="io_error") == 3
     assert ckpt.list_snapshots() == []
+    assert ckpt.save_health().failing == "io_error"
+
+
+def big_state(seed: int) -> dict[str, torch.Tensor]:
+    """About 1 MB of incompressible state: a few fit on a small tmpfs."""
+    return {"model/w": torch.rand((512, 512), generator=torch.Generator().manual_seed(seed))}
+
+
+def test_a_full_disk_makes_room_from_the_oldest_snapshots(tmp_path: Path) -> None:
+    metrics = Metrics()
+    with tmpfs(tmp_path, "3500k"):
+        ckpt = SpeculativeCheckpointer(CheckpointerConfig(tmp_path, keep_hot=5, keep_cold=5), metrics)
+        try:
+            for step in range(1, 7):
+                ckpt.snapshot(big_state(step), meta(step), "cold" if step == 2 else "hot")
+                assert ckpt.wait_idle(30)
+                assert ckpt.save_health().failing is None, f"step {step}: {ckpt.save_health()}"
+        finally:
+            ckpt.close()
+        kept = sorted((s.kind, s.inner_step) for s in ckpt.list_snapshots())
+        on_disk = sorted(parse_snapshot_name(p.name)[::3] for p in iter_snapshot_files(tmp_path))
+    assert ("hot", 6) in kept and len(kept) < 6, kept  # the oldest went early, the newest stayed
+    assert ("cold", 2) in kept, f"a hot snapshot goes before a cold one: {kept}"
+    assert len(on_disk) == len(kept)
+    assert sample(metrics, "swarmnode_snapshot_evictions_total") == 6 - len(kept)
+    assert sample(metrics, "swarmnode_snapshot_failures_total", reason="disk_full") == 0
+
+
+def test_a_state_that_cannot_be_saved_is_reported_each_interval(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import swarmnode.snapshot.checkpointer as checkpointer
+
+    metrics = Metrics()
+    with tmpfs(tmp_path, "1500k"):
+        ckpt = SpeculativeCheckpointer(CheckpointerConfig(tmp_path), metrics)
+        try:
+            for step in range(1, 4):  # the first fits; the newest is never removed for the next
+                ckpt.snapshot(big_state(step), meta(step), "hot")
+                assert ckpt.wait_idle(30)
+            health = ckpt.save_health()
+            assert (health.failing, health.failures_in_a_row, health.newest_on_disk) == (
+                "disk_full",
+                2,
+                (0, 1),
+            )
+            assert sample(metrics, "swarmnode_snapshot_save_failing") == 1
+            assert "newest snapshot on disk: o0/i1" in health.describe()
+            assert caplog.text.count("snapshot write failed (disk_full)") == 1  # rate-limited...
+            monkeypatch.setattr(checkpointer, "FAILURE_LOG_INTERVAL_S", 0.0)
+            ckpt.snapshot(big_state(4), meta(4), "hot")
+            assert ckpt.wait_idle(30)
+            assert caplog.text.count("snapshot write failed (disk_full)") == 2  # ...not once per process
+            assert "2 failed write(s) since the last such line" in caplog.text
+        finally:
+            ckpt.close()
+        assert [s.inner_step for s in ckpt.list_snapshots()] == [1]
+        assert not list(tmp_path.glob(".tmp-*")), "a failed write leaves no temporary file"
+    assert sample(metrics, "swarmnode_snapshot_failures_total", reason="disk_full") == 3
 
 
 def test_adopting_existing_files_sets_corrupt_ones_aside(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -106,6 +107,57 @@ def test_dry_run_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[s
         code, out, err = run_cli(capsys, "run", "--dry-run", *TINY, "--data-dir", str(data_dir))
         assert code == 0 and err == [] and json.loads(out)["data_dir"] == str(data_dir)
     assert list(existing.iterdir()) == [] and not new.parent.exists()
+
+
+def test_dry_run_refuses_a_data_dir_a_running_node_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    held = node.lock_data_dir(tmp_path)
+    try:
+        code, out, err = run_cli(capsys, "run", "--dry-run", *TINY, "--data-dir", str(tmp_path))
+    finally:
+        os.close(held)
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert "--data-dir: in use by another swarmnode process" in err[0] and f"pid {os.getpid()}" in err[0]
+    code, _, err = run_cli(capsys, "run", "--dry-run", *TINY, "--data-dir", str(tmp_path))
+    assert code == 0, err  # released with its holder
+
+
+@pytest.mark.parametrize("kind", [socket.SOCK_STREAM, socket.SOCK_DGRAM])
+def test_dry_run_finds_a_port_in_use(kind: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flag = "--grpc-port" if kind == socket.SOCK_STREAM else "--dht-port"
+    with socket.socket(socket.AF_INET, kind) as taken:
+        taken.bind(("127.0.0.1", 0))
+        if kind == socket.SOCK_STREAM:
+            taken.listen()
+        port = taken.getsockname()[1]
+        data_dir = tmp_path / "fresh"
+        code, out, err = run_cli(
+            capsys, "run", "--dry-run", *TINY, "--data-dir", str(data_dir), flag, str(port)
+        )
+    assert (
+        code == 2
+        and out == ""
+        and err == [f"swarmnode run: error: {flag}: port {port} on 127.0.0.1 is already in use"]
+    )
+    assert not data_dir.exists()
+
+
+def test_a_start_that_fails_after_the_checks_leaves_the_data_dir_as_it_was(tmp_path: Path) -> None:
+    from swarmnode.node.config import NodeConfig
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "identity.key").write_bytes(b"someone's key")
+    for data_dir in (tmp_path / "fresh", kept):
+        fresh = node.FreshDataDir.note(NodeConfig(data_dir=data_dir))
+        os.close(node.lock_data_dir(data_dir))
+        (data_dir / "identity.key").touch()
+        (data_dir / "snapshots").mkdir()
+        fresh.undo()
+    assert not (tmp_path / "fresh").exists()
+    assert sorted(p.name for p in kept.iterdir()) == ["identity.key"]  # what was there before stays
+    assert (kept / "identity.key").read_bytes() == b"someone's key"
 
 
 def test_a_second_lock_on_a_data_dir_names_the_holder(tmp_path: Path) -> None:

@@ -141,6 +141,41 @@ def test_bad_env_and_toml_values_name_their_source(tmp_path: Path) -> None:
         parse([], toml=toml)
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"swarmnode = 3\n", "'swarmnode' in .* must be a table"),
+        (b'swarmnode = "x"\n', "'swarmnode' in .* must be a table"),
+        (b"inner-steps = 7 # \xff\xfe\n", "is not UTF-8 text"),
+    ],
+)
+def test_a_toml_file_of_the_wrong_shape_is_one_line(tmp_path: Path, content: bytes, message: str) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"--config: .*{message}"):
+        parse([], toml=toml)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bulk-port", "7000", "--grpc-port", "7000"], "--bulk-port: port 7000 is also --grpc-port's"),
+        (
+            ["--metrics-port", "7001", "--grpc-port", "7001"],
+            "--metrics-port: port 7001 is also --grpc-port's",
+        ),
+        (
+            ["--bulk-port", "7002", "--metrics-port", "7002"],
+            "--bulk-port: port 7002 is also --metrics-port's",
+        ),
+    ],
+)
+def test_two_listeners_on_one_port_name_the_clash(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(argv)
+    assert parse(["--dht-port", "7003", "--grpc-port", "7003"]).dht_port == 7003  # UDP beside TCP is fine
+
+
 def test_help_documents_every_flag() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "swarmnode.cli", "run", "--help"],

@@ -96,3 +96,10 @@ def test_missing_data_and_tiny_shards_are_usage_errors(tmp_path: Path, corpus) -
         load_corpus(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="--num-shards"):
         ShardLoader(corpus, 0, 100_000, 8, 128, seed=0)
+
+
+def test_an_empty_token_file_names_the_flag(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^--data: empty token file .*empty\.bin"):
+        load_corpus(str(empty))
