@@ -7,6 +7,10 @@ Records, their validation and their storage are ``dht_records``; this module is 
 - ``get`` asks the k closest nodes and merges all their answers with the local copy.
 - A node re-announces only its own records (at least every ``ttl/3``, re-signed with a higher ``seq``);
   other nodes' entries live on only while their publishers keep announcing them.
+- A node finds its swarm again whatever its flags: it keeps its routing contacts in a file (refreshed
+  while it runs, read at start) and knocks on them and on its bootstrap peers whenever its routing table
+  is empty; while it is not, it still knocks now and then on the bootstrap peers missing from its table,
+  so a bootstrap peer that restarted (with an empty table, known to nobody) is found again.
 
 What it replaces of the `kademlia` package, and why, is `kademlia_adapter.py` (the one module that touches
 kademlia's and rpcudp's internals, with a test per override).
@@ -15,12 +19,15 @@ kademlia's and rpcudp's internals, with a test per override).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from swarmnode.net.dht_records import (
@@ -48,7 +55,12 @@ logger = logging.getLogger(__name__)
 MAINTENANCE_INTERVAL_S = 60.0
 """How often expired entries are culled and lonely routing buckets refreshed."""
 REJOIN_INTERVAL_S = 2.0
-"""How often a node that reached none of its bootstrap peers tries them again."""
+"""How often a node whose routing table is empty knocks on its bootstrap peers and saved contacts."""
+REKNOCK_INTERVAL_S = 15.0
+"""How often a node with contacts knocks on the bootstrap peers missing from its routing table."""
+CONTACTS_SAVE_INTERVAL_S = 30.0
+"""How often the routing contacts are written to the contacts file (when they changed)."""
+MAX_SAVED_CONTACTS = 64
 _LOOKUP_TIMEOUT_FACTOR = 5
 """A crawl gives up after this many request timeouts and uses what it has."""
 
@@ -74,6 +86,8 @@ class DHTConfig:
     datagram_key: bytes | None = field(default=None, repr=False)
     """A token swarm's key (``Security.dht_datagram_key``): every datagram is tagged with it and every one
     received without a valid tag is dropped. None: stock rpcudp datagrams."""
+    contacts_file: Path | None = None
+    """Where the routing contacts are kept across restarts (JSON list of HOST:PORT); None: nowhere."""
 
     @property
     def unverified_timeout_s(self) -> float:
@@ -129,6 +143,35 @@ async def _resolve(host: str, port: int, family: int, timeout_s: float) -> tuple
     return str(address[0]), int(address[1])
 
 
+def load_contacts(path: Path | None) -> list[str]:
+    """The HOST:PORT contacts saved in `path` ([] when there is none, or it is unreadable or malformed:
+    a start never fails on it)."""
+    if path is None or not path.exists():
+        return []
+    try:
+        saved = json.loads(path.read_bytes()[: 64 * MAX_SAVED_CONTACTS])
+        if not isinstance(saved, list):
+            raise ValueError("not a list")
+        contacts = [str(c) for c in saved[:MAX_SAVED_CONTACTS]]
+        for contact in contacts:
+            parse_peer(contact)
+    except (OSError, ValueError) as exc:
+        logger.warning("DHT contacts file %s ignored: %s", path, exc)
+        return []
+    return contacts
+
+
+def save_contacts(path: Path, contacts: Sequence[str]) -> None:
+    """Write `contacts` to `path` atomically (a crash leaves the old list or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(list(contacts)))
+    os.replace(tmp, path)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # --- the node -----------------------------------------------------------------------------------------------
 
 
@@ -169,6 +212,7 @@ class SwarmDHT:
         self._wake = asyncio.Event()
         self._client_mode = config.client_mode
         self._bootstrap: tuple[str, ...] = ()
+        self._saved: list[str] = []  # the contacts as last written to (or read from) the contacts file
 
     async def start(self, bootstrap: Sequence[str]) -> None:
         """Listen on the configured UDP port and join the swarm through ``bootstrap`` (``host:port``).
@@ -179,6 +223,7 @@ class SwarmDHT:
         for peer in bootstrap:
             parse_peer(peer)
         self._bootstrap = tuple(bootstrap)
+        self._saved = load_contacts(self._config.contacts_file)
         server = self._make_server()
         await server.listen(self._config.port, self._config.host)
         self._server = server
@@ -186,34 +231,80 @@ class SwarmDHT:
         self._tasks = [
             asyncio.create_task(self._maintenance_loop(), name="dht-maintenance"),
             asyncio.create_task(self._reannounce_loop(), name="dht-reannounce"),
+            asyncio.create_task(self._rejoin_loop(), name="dht-rejoin"),
         ]
-        await self._join(bootstrap)
-        if bootstrap and not self.peer_count():
+        await self._join(self._knock_list())
+        if self._knock_list() and not self.peer_count():
             logger.warning(
                 "DHT node %s reached none of its peers %s yet; retrying in the background",
                 self._identity.node_id_hex,
-                bootstrap,
+                self._knock_list(),
             )
-        if bootstrap:
-            self._tasks.append(asyncio.create_task(self._rejoin_loop(bootstrap), name="dht-rejoin"))
         logger.info("DHT node %s on %s:%d", self._identity.node_id_hex, self._config.host, self.port)
 
-    async def _join(self, bootstrap: Sequence[str]) -> None:
+    def _knock_list(self) -> list[str]:
+        """Whom to ask for the swarm: the bootstrap peers, then the contacts this node kept."""
+        return list(dict.fromkeys([*self._bootstrap, *self._saved]))
+
+    async def _join(self, peers: Sequence[str]) -> None:
         server = self._running()
         family = server.transport.get_extra_info("socket").family
-        addrs = await resolve_peers(bootstrap, family, self._config.request_timeout_s)
+        addrs = await resolve_peers(peers, family, self._config.request_timeout_s)
         if addrs:
             await server.bootstrap(addrs)
 
-    async def _rejoin_loop(self, bootstrap: Sequence[str]) -> None:
+    async def _rejoin_loop(self) -> None:
         """Whenever the routing table is empty — peers that did not listen yet (a compose swarm starting
-        at once), or a partition that made every contact time out — knock on the bootstrap peers again."""
+        at once), a partition that made every contact time out, a restart — knock on the bootstrap peers
+        and the saved contacts again; while it is not, knock now and then on the bootstrap peers missing
+        from it (one that restarted knows nobody). Keeps the contacts file up to date meanwhile."""
+        last_reknock = last_save = time.monotonic()
         while True:
             await asyncio.sleep(REJOIN_INTERVAL_S)
-            if not self.peer_count():
-                await self._join(bootstrap)
+            now = time.monotonic()
+            if not self.peer_count() and self._knock_list():
+                await self._join(self._knock_list())
                 if self.peer_count():
-                    logger.info("DHT node %s (re)joined through %s", self._identity.node_id_hex, bootstrap)
+                    logger.info(
+                        "DHT node %s (re)joined through %s", self._identity.node_id_hex, self._knock_list()
+                    )
+            elif now - last_reknock >= REKNOCK_INTERVAL_S:
+                last_reknock = now
+                await self._knock_missing_bootstrap_peers()
+            if now - last_save >= CONTACTS_SAVE_INTERVAL_S or not self._saved:  # (the first at once)
+                last_save = now
+                self._save_contacts()
+
+    async def _knock_missing_bootstrap_peers(self) -> None:
+        server = self._running()
+        family = server.transport.get_extra_info("socket").family
+        known = {(n.ip, n.port) for bucket in server.protocol.router.buckets for n in bucket.get_nodes()}
+        addrs = await resolve_peers(self._bootstrap, family, self._config.request_timeout_s)
+        missing = [a for a in addrs if a not in known]
+        found = await asyncio.gather(*(server.bootstrap_node(a) for a in missing))
+        for addr, node in zip(missing, found, strict=True):
+            if node is not None:
+                logger.info("DHT node %s: bootstrap peer %s:%d is back", self._identity.node_id_hex, *addr)
+
+    def contacts(self) -> list[str]:
+        """HOST:PORT of the nodes in the routing table (at most MAX_SAVED_CONTACTS)."""
+        if self._server is None:
+            return []
+        nodes = [n for bucket in self._server.protocol.router.buckets for n in bucket.get_nodes()]
+        return sorted({_host_port(n.ip, n.port) for n in nodes})[:MAX_SAVED_CONTACTS]
+
+    def _save_contacts(self) -> None:
+        """Write the routing contacts to the contacts file when they changed; never an empty list over
+        a saved one (a node cut off from everyone must still know whom to ask when it is back)."""
+        path, contacts = self._config.contacts_file, self.contacts()
+        if path is None or not contacts or contacts == self._saved:
+            return
+        try:
+            save_contacts(path, contacts)
+        except OSError as exc:
+            logger.warning("DHT contacts not saved to %s: %s", path, exc)
+            return
+        self._saved = contacts
 
     async def wait_for_peers(self, timeout_s: float) -> bool:
         """True once the routing table holds a node, False if `timeout_s` passes first."""
@@ -246,7 +337,9 @@ class SwarmDHT:
         return server
 
     async def stop(self) -> None:
-        """Cancel every background task and close the socket; safe to call twice."""
+        """Save the contacts, cancel every background task and close the socket; safe to call twice."""
+        if self._server is not None:
+            self._save_contacts()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -268,8 +361,10 @@ class SwarmDHT:
         was, self._client_mode = self._client_mode, client
         if self._server is not None:
             self._server.protocol.client_mode = client
-            if was and not client and self._bootstrap:  # knock again, naming our id: peers verify us
-                self._tasks.append(asyncio.create_task(self._join(self._bootstrap), name="dht-rejoin-named"))
+            if was and not client and self._knock_list():  # knock again, naming our id: peers verify us
+                self._tasks.append(
+                    asyncio.create_task(self._join(self._knock_list()), name="dht-rejoin-named")
+                )
 
     @property
     def port(self) -> int:

@@ -78,6 +78,7 @@ class NodeConfig:
     log_format: str = "text"
     progress_interval_s: float = 10.0
     wait_peers: int = 0
+    wait_peers_timeout_s: float = 120.0
     max_serving: int = 2
     max_serving_per_peer: int = 1
     recovery_peers: int = 3
@@ -450,7 +451,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "wait_peers",
         _non_negative_int,
-        "before training, wait until the DHT knows this many peers (a swarm that starts together)",
+        "before training, wait until this many other members of the run are known, clients included "
+        "(a swarm that starts together)",
+    ),
+    Flag(
+        "wait_peers_timeout_s",
+        _positive_float,
+        "--wait-peers waits at most this long, then the node trains with the members it found and says so",
+        metavar="SECONDS",
     ),
     Flag(
         "max_serving",

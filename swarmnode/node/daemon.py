@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 REJOIN_POLL_S = 0.25
 """How often a repaired node checks whether the swarm closed the round it rejoined."""
+WAIT_PEERS_POLL_S = 0.5
+"""How often --wait-peers looks the run's members up."""
+PRESENCE_REPUBLISH_S = 5.0
+"""While --wait-peers waits, how often the node publishes its presence again."""
 
 
 @dataclass(frozen=True)
@@ -567,12 +571,35 @@ class Node:
     # ----- recovery -----
 
     async def _wait_for_peers(self) -> None:
+        """Say this node is here (others' --wait-peers count it), then wait until --wait-peers other
+        members of the run are known (their presence or announcements: clients too, which are in
+        nobody's routing table) or --wait-peers-timeout passes (then train, and say so)."""
+        await self.membership.present()
         wanted = self.cfg.wait_peers
-        if wanted and self.dht.peer_count() < wanted:
+        if not wanted:
+            return
+        deadline = time.monotonic() + self.cfg.wait_peers_timeout_s
+        republish = time.monotonic() + PRESENCE_REPUBLISH_S
+        seen = await self.membership.members_seen()
+        if len(seen) < wanted:
             self.board.phase = Phase.WAITING_FOR_PEERS
             logger.info("waiting for %d peers (--wait-peers) before training", wanted)
-        while self.dht.peer_count() < wanted and not self._stop.is_set():
-            await asyncio.sleep(0.2)
+        while len(seen) < wanted and not self._stop.is_set():
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "only %d of the %d peers --wait-peers asks for after %.0f s (--wait-peers-timeout): "
+                    "training without them; they join the swarm when they come",
+                    len(seen),
+                    wanted,
+                    self.cfg.wait_peers_timeout_s,
+                )
+                return
+            await asyncio.sleep(WAIT_PEERS_POLL_S)
+            if time.monotonic() >= republish:  # (a first one may have reached nobody yet)
+                republish = time.monotonic() + PRESENCE_REPUBLISH_S
+                await self.membership.present()
+            seen = await self.membership.members_seen()
+        logger.info("%d peers of the run known: %s", len(seen), ", ".join(sorted(s[:12] for s in seen)))
 
     async def _recover(self) -> None:
         self.board.phase = Phase.RECOVERING

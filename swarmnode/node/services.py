@@ -51,6 +51,9 @@ from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
+CONTACTS_FILE = "contacts.json"
+"""DATA_DIR/contacts.json: the DHT contacts this node knew, so that a restart finds its swarm again."""
+
 
 @dataclass
 class Ports:
@@ -133,6 +136,7 @@ async def start_services(
             port=cfg.dht_port,
             datagram_key=security.dht_datagram_key(),
             client_mode=mode == Reachability.CLIENT,
+            contacts_file=cfg.data_dir / CONTACTS_FILE,
         ),
         on_reject=lambda reason: metrics.dht_rejected.labels(reason).inc(),
         on_request=lambda name: metrics.dht_requests.labels(name).inc(),

@@ -75,3 +75,28 @@ class Announcement(msgspec.Struct, frozen=True):
     def from_value(cls, node_id: str, value: Any) -> Announcement | None:
         """The announcement in a peer's DHT value, or None when any field is malformed."""
         return decode_typed_value(cls, node_id, value)
+
+
+PRESENCE_TTL_S = 180.0
+"""A presence record outlives its node by at most this (it is re-announced every third of it)."""
+
+
+def members_key(run_id: str) -> str:
+    return f"swarmnode/{run_id}/members"
+
+
+class Presence(msgspec.Struct, frozen=True):
+    """ "This node runs in this run": published from the node's start (before it trained or wrote any
+    snapshot) for as long as it runs, so that --wait-peers counts members — clients too, which are in
+    nobody's routing table — not routing contacts."""
+
+    run_digest: str = msgspec.field(name="run")
+    reachable: bool = msgspec.field(name="r", default=True)
+
+    def __post_init__(self) -> None:
+        if not is_sha256_hex(self.run_digest):
+            raise ValueError("the run digest must be a sha256 hex digest")
+
+    @classmethod
+    def from_value(cls, node_id: str, value: Any) -> Presence | None:
+        return decode_typed_value(cls, node_id, value)

@@ -6,9 +6,12 @@ as of the round's start, its token weight and its data cursor. It then reads the
 leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
 freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
 to every member over gRPC, so all members agree on the group and its order. A member accepts the first
-proposal for the round that includes it. A node that gets no proposal by the leader's deadline plus a
-grace period goes on alone for that round, and says so. A round of more offers than the leader's
---group-size is proposed as one round spec that every member cuts into the same groups (`grouping.py`).
+proposal for the round that includes it. A leader that sends no proposal by its deadline plus a grace
+period (stopped, crashed or cut off after it offered) is passed over: the next reachable offer in rank
+leads the others, who all reach that conclusion at the same deadline (up to MAX_LEADER_FAILOVERS
+times a round). A node that still gets no proposal goes on alone for that round, and says so. A round
+of more offers than the leader's --group-size is proposed as one round spec that every member cuts into
+the same groups (`grouping.py`).
 
 Clients (README "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
 address. It is a member like any other (the leader waits for its offer in the DHT as for anyone's),
@@ -38,7 +41,7 @@ from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.swarm import grouping
 from swarmnode.swarm.wire import GroupSpec, Member
-from swarmnode.util import clock
+from swarmnode.util import clock, faults
 from swarmnode.util.validate import is_sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
 DEFAULT_GROUP_SIZE = 8
 """--group-size's default (README "The swarm at scale" has the measurement behind it)."""
+MAX_LEADER_FAILOVERS = 2
+"""Leaders a round passes over when they send no proposal, before its members give it up."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -262,14 +267,25 @@ class Matchmaker:
             return astray
         reference = swarm_digest(offers)
         members = [o for o in offers if o.global_digest == reference]
-        if len(members) == 1:
-            return Outcome(None, reason="no partner offered in time")
-        leader = _leader(members)
-        if leader is None:
-            return Outcome(None, reason="no reachable member offered to lead the round")
-        if leader.node_id == own.node_id:
-            return await self._lead(own, members)
-        return await self._follow(leader)
+        for _ in range(MAX_LEADER_FAILOVERS + 1):
+            if len(members) == 1:
+                return Outcome(None, reason="no partner offered in time")
+            leader = _leader(members)
+            if leader is None:
+                return Outcome(None, reason="no reachable member offered to lead the round")
+            if leader.node_id == own.node_id:
+                await faults.ahit("lead_round")
+                return await self._lead(own, members)
+            outcome = await self._follow(leader)
+            if outcome is not None:
+                return outcome
+            logger.warning(
+                "round %d: no proposal from leader %s; the next member in rank leads",
+                own.outer_step,
+                leader.node_id[:12],
+            )
+            members = [o for o in members if o.node_id != leader.node_id]
+        return Outcome(None, reason=f"no proposal from {MAX_LEADER_FAILOVERS + 1} leaders in turn")
 
     async def _lead(self, own: Offer, members: list[Offer]) -> Outcome:
         assert self._proposal is not None
@@ -370,9 +386,10 @@ class Matchmaker:
         logger.debug("round %d: fetched group %s from its leader", answer.round, answer.group_id)
         return Outcome(self._proposal.result())
 
-    async def _follow(self, leader: Offer) -> Outcome:
+    async def _follow(self, leader: Offer) -> Outcome | None:
         """Wait for the leader's proposal until its deadline plus a grace period, or until the leader
-        is seen to have frozen its group (or moved to a later round) without proposing to this node."""
+        is seen to have frozen its group (or moved to a later round) without proposing to this node.
+        None: the leader was silent (no proposal, no frozen group): it is passed over."""
         assert self._proposal is not None
         # The leader's deadline is its own word: a follower waits for it at most its own timeout.
         wait_s = min(max(leader.deadline - clock.now(), 0.0), self.timeout_s)
@@ -397,7 +414,7 @@ class Matchmaker:
         if closed:
             reason = f"leader {leader.node_id[:12]} closed the group without this node"
             return Outcome(None, reason=reason, missed=True)
-        return Outcome(None, reason=f"no proposal from leader {leader.node_id[:12]}")
+        return None
 
 
 FetchGroup = Callable[[str, str, int, str, float], Awaitable["GroupSpec | bool | None"]]

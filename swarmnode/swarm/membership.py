@@ -22,11 +22,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from swarmnode.core.training import RunIdentity
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.net.dht import SwarmDHT
 from swarmnode.snapshot.format import SnapshotInfo
-from swarmnode.swarm.announcements import ANNOUNCE_TTL_S, Announcement, snapshots_key
+from swarmnode.swarm.announcements import (
+    ANNOUNCE_TTL_S,
+    PRESENCE_TTL_S,
+    Announcement,
+    Presence,
+    members_key,
+    snapshots_key,
+)
 from swarmnode.swarm.matchmaking import Offer, round_key
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.labels import SnapshotKind
@@ -64,6 +73,7 @@ class Membership:
         self.reachable = reachable
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
         self.round_key = round_key(dht_run)
+        self.members_key = members_key(dht_run)
         self.stop, self.ahead_wait_s = stop, ahead_wait_s
         self.uptime_s, self.on_duplicate, self.channels = uptime_s, on_duplicate, channels
         self._warned: set[str] = set()
@@ -107,6 +117,26 @@ class Membership:
             logger.error("announcement of %s refused locally: %s", info.snapshot_id[:12], exc)
         except (OSError, AttributeError, RuntimeError) as exc:  # the DHT socket closed under a late task
             logger.debug("announcement of %s not sent: %s", info.snapshot_id[:12], exc)
+
+    async def present(self) -> None:
+        """Publish (again) that this node runs in this run; the DHT re-announces it while it runs."""
+        presence = Presence(self.run.run_digest, self.reachable())
+        try:
+            await self.dht.publish(self.members_key, msgspec.to_builtins(presence), PRESENCE_TTL_S)
+        except (OSError, RuntimeError) as exc:
+            logger.debug("presence not published: %s", exc)
+
+    async def members_seen(self) -> set[str]:
+        """The other nodes known to run in this run: their presence or their snapshot announcements
+        (of this run's configuration)."""
+        present = {
+            node_id
+            for node_id, entry in (await self.dht.get(self.members_key)).items()
+            if (p := Presence.from_value(node_id, entry.value)) is not None
+            and p.run_digest == self.run.run_digest
+        }
+        announced = {a.node_id for a in await self.peers()}
+        return (present | announced) - {self.run.node_id}
 
     async def flush(self) -> None:
         """Give the last announcement up to 5 s to go out (before the node stops)."""

@@ -52,6 +52,7 @@ LOOP_POINTS = (
     "global_params",  # after an outer step; corrupt makes the node's global params go astray
     "allreduce_send",  # before each part an all-reduce member sends
     "allreduce_reduce",  # before a reducer publishes its part's average
+    "lead_round",  # a round's leader, after it offered and before it proposes the group
     "serve_range",  # each state range served to a recovering peer; corrupt flips a byte
 )
 """Points hit with `await ahit()`, on the event loop."""

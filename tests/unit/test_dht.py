@@ -953,3 +953,68 @@ def test_a_stock_kademlia_node_bootstraps_from_a_node_without_a_token() -> None:
                 stock.stop()
 
     run(scenario())
+
+
+# --- finding the swarm again ----------------------------------------------------------------------------
+
+
+def test_a_restarted_node_knocks_on_the_contacts_it_kept(tmp_path) -> None:
+    """A node started without bootstrap peers (a swarm's first node) that restarts: its routing table is
+    empty and nobody bootstraps from it any more, but it kept its contacts in its file."""
+
+    async def scenario() -> None:
+        contacts_file = tmp_path / "contacts.json"
+        kept = dataclasses.replace(FAST, contacts_file=contacts_file)
+        identity = Identity.generate()
+        seed = await start_member([], kept, identity=identity)
+        peer = await start_member([f"127.0.0.1:{seed.dht.port}"])
+        try:
+            await eventually(lambda: _saved(contacts_file, f"127.0.0.1:{peer.dht.port}"), 10)
+            port = seed.dht.port
+            await seed.dht.stop()
+            again = await start_member([], dataclasses.replace(kept, port=port), identity=identity)
+            try:
+                assert peer.identity.node_id in again.contacts(), "the restart did not knock on its contacts"
+            finally:
+                await again.dht.stop()
+        finally:
+            await peer.dht.stop()
+
+    run(scenario())
+
+
+async def _saved(path, contact: str) -> bool:
+    return path.exists() and contact in dht.load_contacts(path)
+
+
+def test_a_bootstrap_peer_that_restarted_knowing_nobody_is_knocked_on_again(monkeypatch) -> None:
+    """The swarm's first node died (its peers dropped it as a contact) and came back at its address with
+    an empty table and no contacts file: the nodes that bootstrapped from it find it again."""
+    monkeypatch.setattr(dht, "REJOIN_INTERVAL_S", 0.1)
+    monkeypatch.setattr(dht, "REKNOCK_INTERVAL_S", 0.3)
+
+    async def scenario() -> None:
+        identity = Identity.generate()
+        seed = await start_member([], identity=identity)
+        port = seed.dht.port
+        others = [await start_member([f"127.0.0.1:{port}"]) for _ in range(2)]
+        try:
+            await eventually(lambda: _knows(others[0], others[1]), 10)
+            await seed.dht.stop()
+            for other in others:  # as after its requests to the dead node timed out
+                other.protocol.router.remove_contact(Node(identity.node_id, "127.0.0.1", port))
+            again = await start_member([], dataclasses.replace(FAST, port=port), identity=identity)
+            try:
+                assert again.dht.peer_count() == 0
+                await eventually(lambda: _knows(again, others[0]), 10)
+            finally:
+                await again.dht.stop()
+        finally:
+            for other in others:
+                await other.dht.stop()
+
+    run(scenario(), timeout_s=40)
+
+
+async def _knows(member: Member, other: Member) -> bool:
+    return other.identity.node_id in member.contacts()

@@ -158,3 +158,34 @@ def test_one_peer_offering_for_a_later_round_does_not_end_the_others_round() -> 
     assert not any(o.missed for o in outcomes), outcomes
     spec = outcomes[0].group
     assert spec is not None and len(spec.members) == 3 and all(o.group == spec for o in outcomes)
+
+
+def test_a_leader_that_offered_and_went_silent_is_passed_over(monkeypatch) -> None:
+    """The first-ranked offer's node stops right after offering (SIGSTOP, a crash): the others do not
+    each go on alone with their own Δ; they pass it over at one deadline and the next in rank leads."""
+    from swarmnode.swarm import matchmaking
+    from swarmnode.util import clock
+
+    monkeypatch.setattr(matchmaking, "PROPOSE_TIMEOUT_S", 0.5)
+
+    async def scenario() -> list[Outcome]:
+        silent, b, c = swarm(3, timeout_s=1.0)
+        cursor = {"shard": 0, "epoch": 0, "position": 0}
+        first = Offer(
+            silent.node_id,
+            silent.address,
+            round(clock.now() + 0.5, 3),
+            RUN_DIGEST,
+            GLOBAL_DIGEST,
+            1.0,
+            cursor,
+            3,
+        )
+        await silent.dht.publish(round_key("r"), first.to_value(), 60)  # ...and nothing more from it
+        return await asyncio.gather(offer(b, 3, {silent, c}), offer(c, 3, {silent, b}))
+
+    outcomes = asyncio.run(scenario())
+    spec = outcomes[0].group
+    assert spec is not None and all(o.group == spec for o in outcomes), outcomes
+    assert [m.node_id for m in spec.members] == ["02" * 20, "03" * 20]  # the pair, led by the next in rank
+    assert spec.group_id.endswith("02" * 8)
