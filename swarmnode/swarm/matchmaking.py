@@ -300,6 +300,10 @@ class Matchmaker:
         answers = await asyncio.gather(*(self.propose(o.address, spec, PROPOSE_TIMEOUT_S) for o in others))
         self._mark_frozen(own)
         refused = [o.node_id[:12] for o, ok in zip(others, answers, strict=True) if not ok]
+        if others and len(refused) == len(ordered) - 1:  # no member took it, and none asks for it
+            self._led.pop(own.outer_step, None)
+            reason = "every member refused the proposal: the round went on without this node"
+            return Outcome(None, reason=reason, missed=True)
         if refused:
             logger.warning(
                 "round %d: %s refused or missed the proposal; their parts stay un-averaged",

@@ -129,14 +129,18 @@ class Membership:
     async def members_seen(self) -> set[str]:
         """The other nodes known to run in this run: their presence or their snapshot announcements
         (of this run's configuration)."""
-        present = {
+        announced = {a.node_id for a in await self.peers()}
+        return (await self._present() | announced) - {self.run.node_id}
+
+    async def _present(self) -> set[str]:
+        """The nodes whose presence in this run (this configuration) is in the DHT."""
+        entries = await self.dht.get(self.members_key)
+        return {
             node_id
-            for node_id, entry in (await self.dht.get(self.members_key)).items()
+            for node_id, entry in entries.items()
             if (p := Presence.from_value(node_id, entry.value)) is not None
             and p.run_digest == self.run.run_digest
         }
-        announced = {a.node_id for a in await self.peers()}
-        return (present | announced) - {self.run.node_id}
 
     async def flush(self) -> None:
         """Give the last announcement up to 5 s to go out (before the node stops)."""
@@ -267,12 +271,16 @@ class Membership:
     # ----- deciding -----
 
     async def expected_peers(self, outer_step: int) -> frozenset[str] | None:
-        """Peers that announced this round or the last are expected to offer (matchmaking may end as
+        """Peers that announced this round or the last, and members that announced nothing yet (they
+        just started: their first offer is on its way), are expected to offer (matchmaking may end as
         soon as they have); None when the routing table is empty (nobody to wait for). Clients are
         expected too: their offers are read from the DHT like anyone's, nobody dials them."""
         if not self.dht.peer_count():
             return None
-        return frozenset(a.node_id for a in await self.peers() if a.outer_step >= outer_step - 1)
+        peers = await self.peers()
+        recent = {a.node_id for a in peers if a.outer_step >= outer_step - 1}
+        starting = await self._present() - {a.node_id for a in peers} - {self.run.node_id}
+        return frozenset(recent | starting)
 
     async def repair_sources(
         self, outer_step: int, agreeing: set[str], missed: bool = False

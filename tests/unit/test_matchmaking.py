@@ -189,3 +189,21 @@ def test_a_leader_that_offered_and_went_silent_is_passed_over(monkeypatch) -> No
     assert spec is not None and all(o.group == spec for o in outcomes), outcomes
     assert [m.node_id for m in spec.members] == ["02" * 20, "03" * 20]  # the pair, led by the next in rank
     assert spec.group_id.endswith("02" * 8)
+
+
+def test_a_leader_whose_proposal_every_member_refuses_knows_it_missed_the_round() -> None:
+    """A leader that was stopped after offering (the others passed it over and went on) proposes when
+    it is back: everyone refuses (they are in another round). It must catch up, not average alone in a
+    group whose other members never take part (its ledger would claim their batches were left out)."""
+
+    async def scenario() -> Outcome:
+        leader, b, c = swarm(3, timeout_s=0.3)
+        cursor = {"shard": 0, "epoch": 0, "position": 0}
+        for other in (b, c):  # offers of the round, made by nodes that have since moved on
+            late = Offer(other.node_id, other.address, 1e10, RUN_DIGEST, GLOBAL_DIGEST, 1.0, cursor, 2)
+            await other.dht.publish(round_key("r"), late.to_value(), 60)
+        return await offer(leader, 2, {b, c})
+
+    outcome = asyncio.run(scenario())
+    assert outcome.group is None and outcome.missed, outcome
+    assert "every member refused" in outcome.reason
