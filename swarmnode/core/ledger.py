@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmnode.util import clock
+from swarmnode.util.threads import LEDGER_THREAD, assert_on_thread
 
 if TYPE_CHECKING:
     from swarmnode.core.training import TrainingSample
@@ -111,6 +112,7 @@ class Ledger:
         self._append({"event": "adopt", "cursor": cursor, "source": source, "outer_step": outer_step})
 
     def _append(self, entry: dict[str, Any]) -> None:
+        assert_on_thread(LEDGER_THREAD, "a ledger entry")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:

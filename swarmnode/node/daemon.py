@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
 from swarmnode.node.overlap import OverlappedRounds
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
+from swarmnode.node.round_loop import BlockingRounds
 from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
 from swarmnode.node.startup import FreshDataDir, StartChecks, lock_data_dir, preflight
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
@@ -45,7 +47,7 @@ from swarmnode.util.aio import settle
 from swarmnode.util.errors import ConfigError, StateNotSaved
 from swarmnode.util.labels import RecoverySource, RoundFailure
 from swarmnode.util.metrics import Metrics
-from swarmnode.util.threads import TrainingThread
+from swarmnode.util.threads import LEDGER_THREAD, OwnedThread, TrainingThread
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +163,15 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
     """Serve, recover, train rounds until done or stopped; returns the exit code."""
     rpc.configure_client(parts.security)
     board = StatusBoard(parts.cfg.run_id, parts.run.identity.node_id, time.time())
-    training = TrainingThread()
+    training, ledger_thread = TrainingThread(), OwnedThread(LEDGER_THREAD)
     try:
         async with contextlib.AsyncExitStack() as stack:
             services = await _start_services_or_undo(parts, stack, board)
             write_node_file(parts.cfg, services.ports, parts.run)
-            return await Node(parts, services, board, training, progress).run()
+            return await Node(parts, services, board, training, ledger_thread, progress).run()
     finally:
         training.close()
+        ledger_thread.close()
 
 
 async def _start_services_or_undo(
@@ -208,17 +211,6 @@ def many_peer_fetch(parts: NodeParts, channels: rpc.ChannelCache) -> ManyPeerFet
     )
 
 
-def phase_before_round(last_round: RoundResult | None) -> Phase:
-    """What a node does from the end of one round to its next inner phase: after a missed round (or a
-    lost digest vote) the catch-up waits for the swarm's next step; after a round without a group it
-    holds its outer step until the next try; otherwise it trains."""
-    if last_round is not None and (last_round.missed or last_round.repair_from):
-        return Phase.WAITING_FOR_SWARM
-    if last_round is not None and last_round.held:
-        return Phase.HOLDING
-    return Phase.INNER
-
-
 class Node:
     """One swarm member with its services running; `run()` returns the process exit code."""
 
@@ -228,6 +220,7 @@ class Node:
         services: Services,
         board: StatusBoard,
         training: TrainingThread,
+        ledger_thread: OwnedThread,
         progress: ProgressReporter | None,
     ) -> None:
         cfg = parts.cfg
@@ -241,18 +234,24 @@ class Node:
         )
         self.node_id = parts.run.identity.node_id
         self._loop = asyncio.get_running_loop()
-        self._stop = threading.Event()
-        self._pending_receipt: Receipt | None = None
+        self.stop = threading.Event()
+        self._pending_receipt: Receipt | None = None  # training thread only, like `_snapshot_due`
         self._open_round: int | None = None  # a round whose ledger range awaits its settle entry
         self._duplicate: DuplicateIdentity | None = None
-        self.overlapped: OverlappedRounds | None = None  # --overlap on: its round loop
-        self.snapshot_due = False  # a hot snapshot fell due while a round was in flight
+        self.round_loop: BlockingRounds | OverlappedRounds = (
+            OverlappedRounds(self) if cfg.overlap == "on" else BlockingRounds(self)
+        )
+        self._snapshot_due = (
+            False  # training thread only: a hot snapshot fell due while a round was in flight
+        )
+        self.ledger_thread = ledger_thread
+        """The one writer of the ledger: entries are appended there, in order."""
         self.membership = Membership(
             services.dht,
             parts.dht_run,
             parts.run.identity,
             services.address,
-            self._stop,
+            self.stop,
             cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s,
             uptime_s=lambda: time.time() - board.started_at,
             on_duplicate=self._on_duplicate,
@@ -284,15 +283,14 @@ class Node:
                 report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
             )
             try:
-                await self._round_loop()
+                await self.round_loop.run()
             finally:
                 await settle(reporter)
         finally:
             await settle(prober)
         await self.training.run(self._final_snapshot)
         unsaved = self._unsaved_at_stop()
-        if self._pending_receipt is not None:  # stopped before a single inner step
-            self._write_receipt(self._pending_receipt)
+        await self.training.run(self._write_pending_receipt)
         await self.membership.flush()
         self.board.phase = Phase.STOPPING
         sample = self.run_state.sample
@@ -334,47 +332,36 @@ class Node:
         self.request_stop()
 
     def request_stop(self) -> None:
-        if not self._stop.is_set():
+        if not self.stop.is_set():
             logger.info("stop requested: finishing the current step")
-        self._stop.set()
+        self.stop.set()
 
     def _install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.request_stop)
 
-    def _finished(self) -> bool:
+    # ----- the round steps the round loop drives (`round_loop.RoundSteps`) -----
+
+    def finished(self) -> bool:
         limit = self.cfg.max_outer_steps
-        return self._stop.is_set() or (limit is not None and self.run_state.sample.outer_step >= limit)
+        return self.stop.is_set() or (limit is not None and self.run_state.sample.outer_step >= limit)
 
-    async def _round_loop(self) -> None:
-        if self.cfg.overlap == "on":
-            self.overlapped = OverlappedRounds(self)
-            await self.overlapped.run()
-            return
-        last: RoundResult | None = None
-        while not self._finished():
-            self.board.phase = phase_before_round(last)
-            if await self._catch_up(last):
-                await self._rejoin_phase()
-            else:
-                if self.run_state.sample.round_step < self.round_steps():
-                    self.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
-                await self.training.run(
-                    self._inner_phase, (self._stop,), self.round_deadline(), self.round_steps()
-                )
-            if self._stop.is_set():
-                break
-            self.board.phase = Phase.OUTER
-            last = await self._outer_step_or_failure()
+    def set_phase(self, phase: Phase) -> None:
+        self.board.phase = phase
 
-    async def _outer_step_or_failure(self) -> RoundResult | None:
-        """The round's outer step; a round must never take the daemon down: a failure is logged with its
-        traceback, counted, and its work stays local progress (None: nothing to decide on next)."""
-        try:
-            return await self._outer_step()
-        except Exception:
-            await self.round_failed()
-            return None
+    def outer_step(self) -> int:
+        return self.run_state.sample.outer_step
+
+    def steps_trained(self) -> int:
+        return self.run_state.sample.round_step
+
+    def round_steps(self, outer_step: int) -> int:
+        """Inner steps of round `outer_step` (--fragments: they vary by round, see core/fragments.py)."""
+        return self.cfg.round_steps(outer_step)
+
+    def round_deadline(self) -> float | None:
+        """The --inner-seconds time box of a round's inner phase starting now (taken once per round)."""
+        return time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
 
     async def round_failed(self) -> None:
         """Called in the handler of a round's exception: logged with its traceback, counted, and the
@@ -382,32 +369,26 @@ class Node:
         logger.exception("round %d failed; its work stays local progress", self.run_state.sample.outer_step)
         self.metrics.round_failures.labels(RoundFailure.ERROR).inc()
         if self._open_round is not None:
-            await asyncio.to_thread(self.parts.ledger.settle, self._open_round, RoundStatus.HELD, 1, None)
+            await self.ledger_thread.run(
+                self.parts.ledger.settle, self._open_round, RoundStatus.HELD, 1, None
+            )
             self._open_round = None
 
-    def round_deadline(self) -> float | None:
-        """The --inner-seconds time box of a round's inner phase starting now (taken once per round)."""
-        return time.monotonic() + self.cfg.inner_seconds if self.cfg.inner_seconds else None
-
-    def round_steps(self) -> int:
-        """Inner steps of the round now training (--fragments: they vary by round, see
-        core/fragments.py): the round after the one in flight (--overlap), else this outer step's."""
-        return self.cfg.round_steps(self.run_state.sample.outer_step + int(self.round_in_flight))
-
-    @property
-    def round_in_flight(self) -> bool:
-        """--overlap on: a round's all-reduce runs beside the inner phase."""
-        return self.overlapped is not None and self.overlapped.pending is not None
+    async def train(
+        self, stops: tuple[threading.Event, ...], deadline: float | None, max_steps: int, in_flight: bool
+    ) -> None:
+        """An inner phase on the training thread, until the round has `max_steps` inner steps (with
+        --overlap the steps of the round in flight count in it) or any of `stops` is set."""
+        await self.training.run(self._inner_phase, stops, deadline, max_steps, in_flight)
 
     def _inner_phase(
-        self, stops: tuple[threading.Event, ...], deadline: float | None, max_steps: int
+        self, stops: tuple[threading.Event, ...], deadline: float | None, max_steps: int, in_flight: bool
     ) -> None:
-        """Until the round has `max_steps` inner steps (taken on the event loop: `round_steps`, plus
-        with --overlap the steps of the round in flight, which still count in the round) or any of
-        `stops` is set."""
-        self.run_state.inner_phase(max_steps, deadline, stops, self._after_inner_step)
+        self.run_state.inner_phase(
+            max_steps, deadline, stops, functools.partial(self._after_inner_step, in_flight)
+        )
 
-    async def _rejoin_phase(self) -> None:
+    async def rejoin(self, max_steps: int) -> None:
         """A repaired node adopted a round the swarm is training: it trains that round only until the
         members offer for it (their inner phase is over), then joins its outer step with the tokens
         it did (none when they already offer), rather than trail a round behind forever. When they
@@ -425,43 +406,45 @@ class Node:
 
         watcher = asyncio.create_task(watch(), name="rejoin-watch")
         try:
-            await self.training.run(
-                self._inner_phase, (self._stop, closing), self.round_deadline(), self.round_steps()
-            )
+            await self.train((self.stop, closing), self.round_deadline(), max_steps, in_flight=False)
         finally:
             closing.set()
             await settle(watcher)
 
-    def _after_inner_step(self) -> None:
-        """On the training thread, after each inner step: the restart receipt, a hot snapshot when due."""
+    def _after_inner_step(self, in_flight: bool) -> None:
+        """On the training thread, after each inner step: the restart receipt, a hot snapshot when due
+        (only where no round is in flight, see `overlap.py`: else it waits for the round to land)."""
         sample = self.run_state.sample
         if self._pending_receipt is not None:
             self._pending_receipt.first_loss_after = sample.last_loss
             self._write_receipt(self._pending_receipt)
             self._pending_receipt = None
-        if self.round_in_flight:
+        if in_flight:
             faults.hit("overlap_step")
         if sample.inner_step % self.cfg.hot_every == 0:
-            if self.round_in_flight:  # only where no round is in flight: see `overlap.py`
-                self.snapshot_due = True
+            if in_flight:
+                self._snapshot_due = True
                 return
             self._snapshot("hot")
 
-    async def _outer_step(self) -> RoundResult:
-        start = await self._begin_round()
-        result = await self._average_round(start)
-        return await self._finish_round(start, result)
+    async def snapshot_if_due(self) -> None:
+        await self.training.run(self._snapshot_if_due)
 
-    async def _begin_round(self) -> RoundStart:
+    def _snapshot_if_due(self) -> None:
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._snapshot("hot")
+
+    async def begin_round(self) -> RoundStart:
         """The round's Δ, range and weight (on the training thread), its range opened in the ledger."""
         run = self.run_state
         start = await self.training.run(run.prepare_round)
         stats = training_stats(run.sample)
-        await asyncio.to_thread(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
+        await self.ledger_thread.run(self.parts.ledger.round, start.outer_step, start.start, start.end, stats)
         self._open_round = start.outer_step
         return start
 
-    async def _average_round(self, start: RoundStart) -> RoundResult:
+    async def average_round(self, start: RoundStart) -> RoundResult:
         """Matchmaking and the all-reduce of the round's Δ (on the event loop; Δ stays unchanged)."""
         expected = await self.membership.expected_peers(start.outer_step)
         result = await self.rounds.average(
@@ -476,15 +459,13 @@ class Node:
         self.board.last_round = result
         return result
 
-    async def _finish_round(
-        self, start: RoundStart, result: RoundResult, overlapped: bool = False
-    ) -> RoundResult:
+    async def finish_round(self, start: RoundStart, result: RoundResult, overlapped: bool) -> RoundResult:
         """Applies the round's outer step (or records why not) and settles its ledger range;
         `overlapped`: inner steps went on since `start` (`TrainingRun.apply_outer`)."""
         run = self.run_state
         if result.averaged is None:
             status = RoundStatus.HELD if result.held else RoundStatus.DROPPED
-            await asyncio.to_thread(
+            await self.ledger_thread.run(
                 self.parts.ledger.settle, start.outer_step, status, len(result.group), None
             )
             self._open_round = None
@@ -494,7 +475,7 @@ class Node:
         )
         if await faults.ahit("global_params", start.outer_step + 1) is not None:  # test-only: go astray
             digest = await self.training.run(run.nudge_global)
-        await asyncio.to_thread(self._settle, start.outer_step, result, digest)
+        await self.ledger_thread.run(self._settle, start.outer_step, result, digest)
         self._open_round = None
         if (start.outer_step + 1) % self.cfg.cold_every == 0:
             await self.training.run(self._snapshot, "cold")
@@ -518,7 +499,7 @@ class Node:
 
     # ----- catching up with the swarm -----
 
-    async def _catch_up(self, last: RoundResult | None) -> bool:
+    async def catch_up(self, last: RoundResult | None) -> bool:
         """Before an inner phase: if this node's global params went astray (a digest in the minority) or
         its outer step is behind the swarm's, adopt an up-to-date member's snapshot (a repair)."""
         outer = self.run_state.sample.outer_step
@@ -535,7 +516,7 @@ class Node:
         self.board.repairs += 1
         sample = self.run_state.sample
         shard, epoch, position = sample.cursor
-        await asyncio.to_thread(
+        await self.ledger_thread.run(
             self.parts.ledger.adopt,
             {"shard": shard, "epoch": epoch, "position": position},
             "repair",
@@ -584,7 +565,7 @@ class Node:
         if len(seen) < wanted:
             self.board.phase = Phase.WAITING_FOR_PEERS
             logger.info("waiting for %d peers (--wait-peers) before training", wanted)
-        while len(seen) < wanted and not self._stop.is_set():
+        while len(seen) < wanted and not self.stop.is_set():
             if time.monotonic() >= deadline:
                 logger.warning(
                     "only %d of the %d peers --wait-peers asks for after %.0f s (--wait-peers-timeout): "
@@ -609,12 +590,22 @@ class Node:
         sample = self.run_state.sample
         shard, epoch, position = sample.committed_cursor
         committed = {"shard": shard, "epoch": epoch, "position": position}
-        await asyncio.to_thread(self.parts.ledger.adopt, committed, receipt.source, sample.outer_step)
+        await self.ledger_thread.run(self.parts.ledger.adopt, committed, receipt.source, sample.outer_step)
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
-        self._pending_receipt = receipt
+        await self.training.run(self._hold_receipt, receipt)
         if receipt.source == RecoverySource.PEER:  # keep the adopted state on local disk at once
             await self.training.run(self._snapshot, "hot")
+
+    def _hold_receipt(self, receipt: Receipt) -> None:
+        """On the training thread, which owns it: the receipt waits for the first inner step's loss."""
+        self._pending_receipt = receipt
+
+    def _write_pending_receipt(self) -> None:
+        """At the stop, on the training thread: the receipt of a node stopped before its first step."""
+        if self._pending_receipt is not None:
+            self._write_receipt(self._pending_receipt)
+            self._pending_receipt = None
 
     def _write_receipt(self, receipt: Receipt) -> None:
         append_receipt(self.cfg.data_dir, receipt)
@@ -624,4 +615,6 @@ class Node:
 
     def progress_sample(self) -> ProgressSample:
         created = self.parts.checkpointer.newest_created_at()
-        return self.board.progress(self.run_state.sample, self.round_steps(), self.dht.peer_count(), created)
+        sample = self.run_state.sample
+        steps = self.round_steps(sample.outer_step + int(self.round_loop.in_flight))
+        return self.board.progress(sample, steps, self.dht.peer_count(), created)

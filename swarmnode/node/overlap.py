@@ -35,101 +35,101 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from swarmnode.core.training import RoundStart
 from swarmnode.node.progress import Phase
+from swarmnode.node.round_loop import RoundSteps, phase_before_round
 from swarmnode.swarm.rounds import RoundResult
-
-if TYPE_CHECKING:
-    from swarmnode.node.daemon import Node
 
 logger = logging.getLogger(__name__)
 
 
 class OverlappedRounds:
-    """The round loop of a node with `--overlap on` (the blocking one is `Node._round_loop`)."""
+    """The round loop of a node with `--overlap on` (the blocking one is `round_loop.BlockingRounds`)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, steps: RoundSteps) -> None:
+        self.steps = steps
         self.pending: asyncio.Task[tuple[RoundStart, RoundResult]] | None = None
         self.pending_steps = 0
-        """Inner steps of the round in flight: until it lands they still count in `round_step`."""
+        """Inner steps of the round in flight: until it lands they still count in the round's steps."""
         self.last: RoundResult | None = None
         self.verdict = False
         """A landed round says this node is behind or astray: the catch-up must look before more steps."""
-        self.deadline = node.round_deadline()
+        self.deadline = steps.round_deadline()
         """The --inner-seconds time box of the round now training: taken once, when the round begins,
         so a round landing mid-phase does not give it a second one."""
 
-    async def run(self) -> None:
-        node = self.node
-        from swarmnode.node.daemon import phase_before_round
+    @property
+    def in_flight(self) -> bool:
+        """A round's all-reduce runs beside the inner phase."""
+        return self.pending is not None
 
+    def _wanted(self) -> int:
+        """Inner steps of the round now training (the one after the round in flight), plus the steps of
+        the round in flight, which still count in the trained steps until it lands."""
+        steps = self.steps
+        return steps.round_steps(steps.outer_step() + int(self.in_flight)) + self.pending_steps
+
+    async def run(self) -> None:
+        steps = self.steps
         try:
-            while not node._finished():
-                node.board.phase = phase_before_round(self.last)
+            while not steps.finished():
+                steps.set_phase(phase_before_round(self.last))
                 self.verdict = False
-                if self.pending is None and await node._catch_up(self.last):
-                    await node._rejoin_phase()
+                if self.pending is None and await steps.catch_up(self.last):
+                    await steps.rejoin(self._wanted())
                 else:
-                    if node.run_state.sample.round_step < node.round_steps() + self.pending_steps:
-                        node.board.phase = Phase.INNER  # (a held round's steps are done: it goes on holding)
+                    if steps.steps_trained() < self._wanted():
+                        steps.set_phase(Phase.INNER)  # (a held round's steps are done: it goes on holding)
                     await self._train()
-                if node._stop.is_set():
+                if steps.stop.is_set():
                     break
                 if self.pending is not None:  # the inner phase ended before the average came
-                    node.board.phase = Phase.OUTER
+                    steps.set_phase(Phase.OUTER)
                     await self._land()
                     continue
-                if self.verdict or node._finished():  # it landed mid-phase: back to the catch-up first
+                if self.verdict or steps.finished():  # it landed mid-phase: back to the catch-up first
                     continue  # (or that was the last step: no round begins after --max-outer-steps)
-                start = await node._begin_round()
+                start = await steps.begin_round()
                 self.pending = asyncio.create_task(self._average(start), name=f"round-{start.outer_step}")
                 self.pending_steps = start.steps
-                self.deadline = node.round_deadline()  # the next round trains from here
+                self.deadline = steps.round_deadline()  # the next round trains from here
         finally:
             if self.pending is not None:
                 await self._land()
 
     async def _average(self, start: RoundStart) -> tuple[RoundStart, RoundResult]:
-        return start, await self.node._average_round(start)
+        return start, await self.steps.average_round(start)
 
     async def _train(self) -> None:
         """The inner phase; the round in flight is applied at the step boundary after it arrives."""
-        node = self.node
+        steps = self.steps
         while True:
             interrupt = threading.Event()
             if self.pending is not None:
                 self.pending.add_done_callback(_setter(interrupt))
-            await node.training.run(
-                node._inner_phase,
-                (node._stop, interrupt),
-                self.deadline,
-                node.round_steps() + self.pending_steps,
-            )
-            if self.pending is None or not self.pending.done() or node._stop.is_set():
+            await steps.train((steps.stop, interrupt), self.deadline, self._wanted(), self.in_flight)
+            if self.pending is None or not self.pending.done() or steps.stop.is_set():
                 return
             await self._land()
-            if node._finished() or self.verdict:
+            if steps.finished() or self.verdict:
                 return  # the catch-up decides before any further step
 
     async def _land(self) -> None:
         """Waits for the round in flight and applies its outer step; a failure is logged, counted and
-        survived (its work stays local progress), as in blocking mode."""
-        node, pending = self.node, self.pending
+        survived (its work stays local progress), as in blocking mode. Then the hot snapshot that fell
+        due meanwhile, if one did."""
+        steps, pending = self.steps, self.pending
         assert pending is not None
         self.pending, self.pending_steps = None, 0
         try:
             start, result = await pending
-            self.last = await node._finish_round(start, result, overlapped=True)
+            self.last = await steps.finish_round(start, result, overlapped=True)
             self.verdict = self.last.missed or bool(self.last.repair_from)
         except Exception:
-            await node.round_failed()
+            await steps.round_failed()
             self.last = None
-        if node.snapshot_due:
-            node.snapshot_due = False
-            await node.training.run(node._snapshot, "hot")
+        await steps.snapshot_if_due()
 
 
 def _setter(event: threading.Event) -> Callable[[object], None]:

@@ -1,6 +1,8 @@
 """The training state has one owner: a swarm run with the ownership check on (every change to the model,
-the optimisers, θ_g, the cursor or the staging buffers asserts it runs on the training thread) trains,
-averages, snapshots and recovers from a peer without one violation; and the status path imports no torch."""
+the optimisers, θ_g, the cursor or the staging buffers asserts it runs on the training thread, every
+ledger entry that it is appended by the ledger's one writer thread) trains, averages, snapshots and
+recovers from a peer without one violation — blocking, with the outer step overlapped, and with
+fragments; and the status path imports no torch."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from swarmnode.core.ledger import read_ledger
 from swarmnode.swarm.recovery import read_receipts
@@ -32,8 +36,15 @@ def settled(data_dir: Path) -> int:
     return sum(1 for e in read_ledger(data_dir) if e["event"] == "settle")
 
 
-def test_a_swarm_with_the_ownership_check_on_never_trips_it(tmp_path: Path, reaper) -> None:
-    nodes = start_swarm(reaper, tmp_path, 2, ARGS, env={"SWARMNODE_CHECK_THREADS": "1"})
+@pytest.mark.parametrize(
+    "mode",
+    [(), ("--overlap", "on"), ("--overlap", "on", "--fragments", "2")],
+    ids=["blocking", "overlap", "fragments"],
+)
+def test_a_swarm_with_the_ownership_check_on_never_trips_it(
+    tmp_path: Path, reaper, mode: tuple[str, ...]
+) -> None:
+    nodes = start_swarm(reaper, tmp_path, 2, [*ARGS, *mode], env={"SWARMNODE_CHECK_THREADS": "1"})
     wait_for(lambda: min(settled(n.data_dir) for n in nodes) >= 2, 90, "two rounds")
     victim = nodes[1]
     victim.signal(signal.SIGKILL)

@@ -57,8 +57,8 @@ def test_json_lines_for_machines() -> None:
 def test_holding_and_waiting_for_the_swarm_have_phases_of_their_own() -> None:
     """Between a round that found no group (or that the swarm closed without this node) and its next
     inner phase the line says so, instead of repeating the last inner figures as `[inner]`."""
-    from swarmnode.node.daemon import phase_before_round
     from swarmnode.node.progress import Phase
+    from swarmnode.node.round_loop import phase_before_round
     from swarmnode.swarm.matchmaking import Offer
     from swarmnode.swarm.rounds import RoundResult
 
