@@ -62,7 +62,7 @@ def swarm(count: int, timeout_s: float = 1.0) -> list[Matchmaker]:
     by_address: dict[str, Matchmaker] = {}
 
     async def propose(address: str, spec: GroupSpec, timeout: float) -> bool:
-        return await by_address[address].on_proposal(spec)
+        return await by_address[address].on_proposal(spec) is not None
 
     nodes = []
     for i in range(count):
