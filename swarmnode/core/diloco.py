@@ -51,6 +51,11 @@ class DilocoConfig:
     fragments: int = 1
     """K: Δ is cut into K fragments that the rounds synchronise in turn, a round being H/K inner steps
     (Streaming DiLoCo; `fragments.py`, applied by `TrainingRun`); 1: every round takes all of Δ."""
+    round_tokens: int = 0
+    """The most tokens a member's contribution may weigh in a round (the run's batch × sequence ×
+    inner steps; 0: no cap, for in-process uses). Part of the run's agreed configuration, so every
+    member refuses the same heavier offers and contributions; a node that carried rounds into one
+    still contributes at most this."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.outer_mix < 1:

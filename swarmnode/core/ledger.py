@@ -96,15 +96,19 @@ class Ledger:
         *,
         group: Sequence[str] = (),
         included: Sequence[str] = (),
+        weights: Mapping[str, float] | None = None,
         stats: Mapping[str, float | None] | None = None,
     ) -> None:
         """What became of round `outer_step`, and the global params' digest after it (None: unchanged);
-        for a group, its members and those whose contributions are in every part of the average;
+        for a group, its members, those whose contributions are in every part of the average and the
+        token weight each offered (the most its contribution weighed);
         `stats`: the training's figures after it (`training_stats`: the held-out loss of the new θ_g)."""
         assert status in ROUND_STATUSES, status
         entry = {"event": "settle", "outer_step": outer_step, "status": status, "group_size": group_size}
         if group:
             entry.update(group=list(group), included=list(included))
+            if weights:
+                entry["weights"] = {node_id: weights[node_id] for node_id in group if node_id in weights}
         entry.update(stats or {})
         self._append({**entry, "global_digest": global_digest})
 

@@ -143,6 +143,8 @@ def run_digest(
     }
     if diloco.fragments != 1:  # (absent at 1, so runs without fragments keep their digest)
         agreed["fragments"] = diloco.fragments
+    if diloco.round_tokens:  # (absent at 0, so in-process runs keep their digest)
+        agreed["round_tokens"] = diloco.round_tokens
     if diloco.outer_mix:  # (absent at 0, DiLoCo's own θ ← θ_g, so such runs keep their digest)
         agreed["outer_mix"] = diloco.outer_mix
     return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()

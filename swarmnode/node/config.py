@@ -129,6 +129,13 @@ class NodeConfig:
                 f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
             ) from None
 
+    @property
+    def round_tokens(self) -> int:
+        """The most tokens a member's contribution may weigh in a round: --batch-size × --seq-len ×
+        --inner-steps (a whole inner phase, fragments or not). It enters the run digest, so every
+        member of a run applies the same cap."""
+        return self.batch_size * self.seq_len * self.inner_steps
+
     def round_steps(self, outer_step: int) -> int:
         """Inner steps of round `outer_step`: H, or about H/K with --fragments K (core/fragments.py)."""
         return round_steps(self.inner_steps, self.fragments, outer_step)

@@ -107,6 +107,7 @@ def _assemble(
         outer_momentum=cfg.outer_momentum,
         outer_mix=cfg.outer_mix,
         fragments=cfg.fragments,
+        round_tokens=cfg.round_tokens,
     )
     corpus_digest = checked.corpus.digest
     digest = run_digest(
@@ -494,6 +495,7 @@ class Node:
             digest,
             group=result.group if group else (),
             included=result.included,
+            weights=result.weights,
             stats=training_stats(self.run_state.sample),
         )
 

@@ -205,6 +205,7 @@ def _matchmaker(
         fetch_group=functools.partial(fetch_group, channels=channels, trust=trust),
         group_size=cfg.group_size,
         on_refused=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
+        max_weight=cfg.round_tokens,
     )
 
 

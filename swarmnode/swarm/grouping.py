@@ -32,8 +32,10 @@ are in the swarm's model, as the lineage records).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarmnode.swarm.wire import MAX_TIMEOUT_S, GroupSpec, Member
@@ -117,9 +119,20 @@ class RoundPlan:
     def leaders(self) -> tuple[int, ...]:
         return tuple(members[0] for members in self.groups)
 
-    def _sub(self, suffix: str, indices: tuple[int, ...], wire_dtype: str, timeout_s: float) -> GroupSpec:
+    def _sub(
+        self,
+        suffix: str,
+        indices: tuple[int, ...],
+        wire_dtype: str,
+        timeout_s: float,
+        weights: Sequence[float] | None = None,
+    ) -> GroupSpec:
+        """A sub-group's spec; `weights`: the most each of its members' contributions may weigh there
+        (default: what each offered for the round; a reducer refuses a heavier one)."""
         s = self.spec
         members = tuple(s.members[k] for k in indices)
+        if weights is not None:
+            members = tuple(dataclasses.replace(m, weight=w) for m, w in zip(members, weights, strict=True))
         return GroupSpec(s.run_id, s.round, f"{s.group_id}/{suffix}", members, wire_dtype, timeout_s)
 
     def group_spec(self, g: int) -> GroupSpec:
@@ -128,13 +141,16 @@ class RoundPlan:
 
     def leaders_spec(self) -> GroupSpec:
         """Step 2: the leaders' butterfly over the group means."""
-        return self._sub("top", self.leaders(), self.spec.wire_dtype, self.spec.timeout_s)
+        weights = [self.group_weight(g) for g in range(len(self.groups))]  # each leader brings its group's
+        return self._sub("top", self.leaders(), self.spec.wire_dtype, self.spec.timeout_s, weights)
 
     def handoff_spec(self, g: int) -> GroupSpec:
         """Step 3: group g's butterfly that passes the swarm's mean on. Its budget spans step 2 too,
         since a member starts it as soon as its step 1 is over."""
         dtype = "bf16" if self.spec.wire_dtype == "bf16" else "fp32"
-        return self._sub(f"b{g}", self.groups[g], dtype, min(2 * self.spec.timeout_s, MAX_TIMEOUT_S))
+        weights = [1.0] + [0.0] * (len(self.groups[g]) - 1)  # the leader hands the swarm's mean on
+        budget = min(2 * self.spec.timeout_s, MAX_TIMEOUT_S)
+        return self._sub(f"b{g}", self.groups[g], dtype, budget, weights)
 
     def group_weight(self, g: int) -> float:
         return sum(self.spec.members[k].weight for k in self.groups[g])

@@ -46,7 +46,7 @@ import msgspec
 from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.swarm import grouping
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.wire import MAX_WEIGHT, GroupSpec, Member
 from swarmnode.util import clock, faults
 from swarmnode.util.labels import AveragingReject
 from swarmnode.util.validate import is_sha256_hex
@@ -65,6 +65,8 @@ MAX_LEADER_FAILOVERS = 2
 MAX_PROPOSAL_READS = 2
 """DHT reads of the round's offers that proposals may cause in one round (a flood of bad proposals
 must not turn into a flood of look-ups)."""
+MAX_REMEMBERED_REFUSALS = 4096
+"""Offers refused for their weight that a node remembers, so it counts each once (bounded)."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -149,11 +151,16 @@ class Matchmaker:
         fetch_group: FetchGroup | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
         on_refused: Callable[[str], None] = lambda reason: None,
+        max_weight: float = MAX_WEIGHT,
     ) -> None:
         """`reachable()`: this node's mode now (False: a client, see the module notes); `fetch_group`:
         how a client asks a leader for its frozen group (needed once `reachable()` may be False);
         `group_size`: a round this node leads with more members averages in groups of at most this
-        many (`grouping.py`); `on_refused(reason)` counts the proposals refused (`AveragingReject`)."""
+        many (`grouping.py`); `on_refused(reason)` counts the proposals and offers refused
+        (`AveragingReject`); `max_weight`: the most tokens the run's configuration lets a member's
+        contribution weigh in a round (`round_token_cap`): a heavier offer is left out of groups."""
+        self.max_weight = max_weight
+        self._over_weight: set[tuple[str, int]] = set()  # (node, round) of offers refused for weight
         self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
@@ -227,7 +234,9 @@ class Matchmaker:
         cursor: dict[str, int] | None,
         expected_peers: frozenset[str],
     ) -> Outcome:
-        """Publish this node's offer for `outer_step` and settle the round's group."""
+        """Publish this node's offer for `outer_step` and settle the round's group (`weight`: at most
+        `max_weight`; see `rounds.SwarmRounds.average`)."""
+        weight = min(weight, self.max_weight)  # (what SwarmRounds.average contributes too)
         # Rounded as it travels, so that every node ranks this offer by the very same deadline.
         deadline = round(clock.now() + self.timeout_s, 3)
         reachable = self.reachable()
@@ -296,9 +305,26 @@ class Matchmaker:
             offer = Offer.from_entry(node_id, entry)
             if offer is None or node_id == self.node_id:
                 continue
-            if offer.run_digest == self.run_digest:
-                offers[node_id] = offer
+            if offer.run_digest != self.run_digest:
+                continue
+            if offer.weight > self.max_weight:
+                self._refuse_weight(offer)
+                continue
+            offers[node_id] = offer
         return offers
+
+    def _refuse_weight(self, offer: Offer) -> None:
+        """Counts and logs an offer over the weight cap, once per node and round."""
+        if (offer.node_id, offer.outer_step) in self._over_weight:
+            return
+        if len(self._over_weight) >= MAX_REMEMBERED_REFUSALS:
+            self._over_weight.clear()
+        self._over_weight.add((offer.node_id, offer.outer_step))
+        self.on_refused(AveragingReject.OVER_WEIGHT)
+        logger.warning(
+            "round %d: left out %s's offer: weight %g is over the %g tokens a round allows",
+            *(offer.outer_step, offer.node_id[:12], offer.weight, self.max_weight),
+        )
 
     async def _decide(self, own: Offer, offers: list[Offer]) -> Outcome:
         logger.debug(

@@ -217,6 +217,15 @@ class _PartRound:
                 self.refuse(speaking)
             reason = AveragingReject.IMPERSONATION if speaker.refusal is not None else AveragingReject.INVALID
             raise _Refused(_CODES[reason], reason, f"group {group}: {problem}")
+        offered = self.spec.members[h.sender].weight
+        if h.weight > offered:  # (the group's weights are what each member signed in its offer)
+            if speaking is not None and speaking != self.my_index:
+                self.refuse(speaking)
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                AveragingReject.OVER_WEIGHT,
+                f"group {group}: member {h.sender} weighs {h.weight:g}, more than the {offered:g} it offered",
+            )
         if h.sender in self.seen:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, "duplicate", f"sender {h.sender} called twice")
         self.seen.add(h.sender)

@@ -103,6 +103,7 @@ class SwarmRounds:
         """`expected_peers` None: nobody in the routing table. `in_swarm`: this node's lineage holds
         other nodes' work, so rounds without them are held rather than applied alone (see `_alone`)."""
         started = time.perf_counter()
+        weight = min(weight, self.matchmaker.max_weight)  # (rounds carried into this one included)
         if expected_peers is None:
             if in_swarm:  # nobody to ask: don't race ahead of a swarm that may only be out of reach
                 await asyncio.sleep(self.matchmaker.timeout_s)

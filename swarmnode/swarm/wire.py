@@ -60,8 +60,10 @@ class Member:
     """Hex."""
     address: str
     """HOST:GRPC_PORT."""
-    weight: float = 0.0
-    """Informational; the weight that counts travels with each contribution."""
+    weight: float = MAX_WEIGHT
+    """The token weight the member offered for the round: the most its contribution may weigh (a
+    reducer refuses a heavier one; the weight that counts travels with each contribution). Groups
+    formed by matchmaking always say it; the default, the wire's bound, is for groups made by hand."""
     cursor: dict[str, int] | None = None
     """The member's data cursor (`CURSOR_KEYS`) as of the round's start; None: unknown."""
     global_digest: str = ""

@@ -9,6 +9,7 @@ reads the group spec as one JSON line on stdin and joins the all-reduce.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -549,6 +550,32 @@ def test_malformed_calls_are_refused_and_the_node_carries_on() -> None:
     assert_identical(results)
 
 
+def test_a_contribution_heavier_than_its_member_offered_is_refused_and_left_out() -> None:
+    """A member that offered 2,560 tokens for the round (the group says so) and then sends its part
+    with a weight of 1e6 is refused and counted; the reducer averages without it."""
+    n = 5000
+
+    async def scenario() -> tuple[grpc.StatusCode | None, AllReduceResult, list[str], GroupSpec]:
+        rejected: list[str] = []
+        nodes = [await start_node(f"{i + 1:02x}", on_rejected=rejected.append) for i in range(2)]
+        try:
+            spec = group([dataclasses.replace(x.member, weight=2560.0) for x in nodes], timeout_s=2.0)
+            assert nodes[0].servicer.expect(spec)
+            runner = asyncio.create_task(
+                averaging.butterfly_allreduce(nodes[0].servicer, spec, 0, torch.ones(n), 2560.0)
+            )
+            code = await refusal(RawSender(spec, 1, torch.full((n,), -4.0), 1e6), nodes[0].address, None)
+            return code, await runner, rejected, spec
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    code, result, rejected, spec = run(scenario())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and rejected == ["over_weight"]
+    assert result.contributors[0] == 1  # its own part: only itself
+    assert torch.equal(result.averaged.delta[part(spec, 0, n)], torch.ones(n)[part(spec, 0, n)])
+
+
 def test_misplaced_oversized_or_repeated_parts_are_refused() -> None:
     n = 5000
     cases: list[Callable[[RawSender], list[pb.Contribution]]] = [
@@ -580,8 +607,10 @@ def test_misplaced_oversized_or_repeated_parts_are_refused() -> None:
     assert run(scenario()) == [invalid, grpc.StatusCode.ALREADY_EXISTS, invalid, invalid]
 
 
-async def refusal(sender: RawSender, address: str, messages: Sequence[object]) -> grpc.StatusCode | None:
-    """The status the reducer ended the call with (None if it answered)."""
+async def refusal(
+    sender: RawSender, address: str, messages: Sequence[object] | None
+) -> grpc.StatusCode | None:
+    """The status the reducer ended the call with (None if it answered); `messages` None: a whole part."""
     try:
         await sender.send(address, 0, messages=messages)
     except grpc.aio.AioRpcError as exc:

@@ -54,3 +54,12 @@ def test_a_carried_round_is_covered_again_by_the_next(tmp_path: Path) -> None:
     report = check(entries)
     assert not report.errors and report.chain == [((1, 0, 0), (1, 0, 160))] and report.chain_steps == [1]
     assert cross_check({VICTIM: entries}) == []
+
+
+def test_a_groups_settle_records_the_weight_each_member_offered(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "s", SURVIVOR)
+    ledger.round(0, cursor(0), cursor(80))
+    weights = {SURVIVOR: 2560.0, VICTIM: 1280.0, "ff" * 20: 9.0}  # (a weight of no member: not kept)
+    ledger.settle(0, "applied", 2, "d1", group=(SURVIVOR, VICTIM), included=(SURVIVOR,), weights=weights)
+    (_, settle) = read_ledger(tmp_path / "s")
+    assert settle["weights"] == {SURVIVOR: 2560.0, VICTIM: 1280.0}

@@ -314,3 +314,29 @@ def test_a_member_runs_the_all_reduce_with_its_own_budget_whatever_the_proposal_
 
     accepted = asyncio.run(scenario())
     assert accepted is not None and accepted.timeout_s == 5.0  # the node's --allreduce-timeout
+
+
+def test_an_offer_over_the_runs_weight_cap_is_left_out_of_the_group_and_counted_once() -> None:
+    """A member declaring 1e6 tokens where the run allows 2,560 a round is grouped with nobody; an
+    honest node that carried rounds into this one offers the cap, not more."""
+
+    async def scenario() -> tuple[list[Outcome], list[str]]:
+        nodes, refused = proposals_under_test(3)
+        for node in nodes:
+            node.timeout_s, node.max_weight = 1.0, 2560.0
+        honest, other, heavy = nodes
+        heavy.max_weight = 1e9  # (an attacker runs no cap of its own)
+        cursor = {"shard": 0, "epoch": 0, "position": 0}
+        everyone = frozenset(n.node_id for n in nodes)
+        outcomes = await asyncio.gather(
+            honest.form_group(4, 3 * 2560.0, GLOBAL_DIGEST, cursor, everyone - {honest.node_id}),
+            other.form_group(4, 2560.0, GLOBAL_DIGEST, cursor, everyone - {other.node_id}),
+            heavy.form_group(4, 1e6, GLOBAL_DIGEST, cursor, everyone - {heavy.node_id}),
+        )
+        return list(outcomes), refused
+
+    (honest, other, heavy), refused = asyncio.run(scenario())
+    assert honest.group is not None and honest.group == other.group
+    assert [m.node_id for m in honest.group.members] == ["01" * 20, "02" * 20]
+    assert all(m.weight == 2560.0 for m in honest.group.members)
+    assert refused.count("over_weight") == 2  # each honest node counted it once, however often it read
