@@ -36,7 +36,9 @@ from swarmnode.net.dht_records import (
     MAX_TTL_S,
     MAX_VALUE_BYTES,
     DHTEntry,
+    EntryRejected,
     EntryStorage,
+    decode_and_verify_entry,
     dht_key,
     encode_value,
     merge_entries,
@@ -413,6 +415,15 @@ class SwarmDHT:
         remote = verify_answers(dkey, blobs, now, self._report_rejection)
         merged = merge_entries([*self._storage.entries(dkey), *remote])
         return {sub: to_dht_entry(e) for sub, e in merged.items() if e.expires_at > now}
+
+    def verify(self, key: str, signed: bytes) -> DHTEntry | None:
+        """The entry a peer passed on (`DHTEntry.signed`, read under `key`) if its publisher signed it
+        and it has not expired; None otherwise. Checked like a look-up answer, without a look-up."""
+        try:
+            entry = decode_and_verify_entry(dht_key(key), signed, clock.now())
+        except EntryRejected:
+            return None
+        return to_dht_entry(entry)
 
     def _report_rejection(self, reason: DHTReject) -> None:
         if self._server is not None:

@@ -84,6 +84,9 @@ class DHTEntry:
     value: dict[str, Any]
     seq: int
     expires_at: float
+    signed: bytes = b""
+    """The entry in its signed wire form (`encode_entry`): a peer can check it without a look-up
+    (`SwarmDHT.verify`); empty for entries not read from the DHT."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,8 @@ def _check_expiry(expires_at: float, now: float) -> None:
 
 
 def to_dht_entry(entry: SignedEntry) -> DHTEntry:
-    return DHTEntry(entry.node_id_hex, decode_value(entry.value_bytes), entry.seq, entry.expires_at)
+    value = decode_value(entry.value_bytes)
+    return DHTEntry(entry.node_id_hex, value, entry.seq, entry.expires_at, encode_entry(entry))
 
 
 def merge_entries(entries: Iterable[SignedEntry]) -> dict[str, SignedEntry]:

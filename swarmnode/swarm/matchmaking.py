@@ -1,22 +1,25 @@
 """Forming a round's averaging group through the DHT (README "The swarm", Matchmaking).
 
-A node that finished its inner phase publishes an offer for round r under `swarmnode/<run>/round`:
-its address, a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params
-as of the round's start, its token weight and its data cursor. It then reads the key until its deadline. The
-leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
-freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
-to every member over gRPC, so all members agree on the group and its order. A member accepts the first
-proposal for the round that includes it and that the round's signed offers bear out (`_proposal_refusal`):
-its signer is the leader matchmaking's rule designates among them (or one of the next MAX_LEADER_FAILOVERS
-in rank, see below), and each member it names published an offer for the round saying just what the
-group says of it. Anything else — a stranger's group, one that adds a member who never offered, or
+A node that finished its inner phase publishes an offer for round r under `swarmnode/<run>/round`: its
+address, a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params as of the
+round's start, its token weight and its data cursor. It then reads the key until its deadline. The leader —
+earliest deadline, then lowest node id, among the offers a node sees with its own run digest — freezes the
+group at its deadline (or as soon as every node it expects has offered) and proposes it to every member over
+gRPC, so all members agree on the group and its order. A member accepts the first proposal for the round
+that includes it and that the round's signed offers bear out (`_proposal_refusal`): its signer is the leader
+matchmaking's rule designates among them (or one of the next MAX_LEADER_FAILOVERS in rank, see below), and
+each member it names published an offer for the round saying just what the group says of it. The leader
+sends those offers with its proposal as their publishers signed them (`GroupSpec.offers`), so a member
+checks the group without a DHT look-up of its own (look-ups may take seconds when the table holds departed
+contacts); it reads the DHT only for an offer neither it nor the proposal has, within
+PROPOSAL_READ_BUDGET_S. Anything else — a stranger's group, one that adds a member who never offered, or
 changes a member's weight — is refused and counted. The all-reduce budget a member runs with is its own
---allreduce-timeout, whatever the proposal says. A leader that sends no proposal by its deadline plus a grace
-period (stopped, crashed or cut off after it offered) is passed over: the next reachable offer in rank
-leads the others, who all reach that conclusion at the same deadline (up to MAX_LEADER_FAILOVERS
-times a round). A node that still gets no proposal goes on alone for that round, and says so. A round
-of more offers than the leader's --group-size is proposed as one round spec that every member cuts into
-the same groups (`grouping.py`).
+--allreduce-timeout, whatever the proposal says. A leader that sends no proposal by its deadline plus a
+grace period (stopped, crashed or cut off after it offered) is passed over: the next reachable offer in rank
+leads the others, who all reach that conclusion at the same deadline (up to MAX_LEADER_FAILOVERS times a
+round). A node that still gets no proposal goes on alone for that round, and says so. A round of more offers
+than the leader's --group-size is proposed as one round spec that every member cuts into the same groups
+(`grouping.py`).
 
 Clients (README "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
 address. It is a member like any other (the leader waits for its offer in the DHT as for anyone's),
@@ -63,6 +66,8 @@ DEFAULT_GROUP_SIZE = 8
 MAX_LEADER_FAILOVERS = 2
 """Leaders a round passes over when they send no proposal, before its members give it up."""
 MAX_PROPOSAL_READS = 2
+PROPOSAL_READ_BUDGET_S = PROPOSE_TIMEOUT_S / 2
+"""How long a member's look-up for a proposal may take: it must answer before the leader gives up."""
 """DHT reads of the round's offers that proposals may cause in one round (a flood of bad proposals
 must not turn into a flood of look-ups)."""
 MAX_REMEMBERED_REFUSALS = 4096
@@ -175,6 +180,8 @@ class Matchmaker:
         self._round_offers: dict[str, Offer] = {}
         """The offers of the round this node is matchmaking in, as it last read them (its own too)."""
         self._offer_reads = 0  # DHT reads a proposal caused this round (bounded: MAX_PROPOSAL_READS)
+        self._signed_offers: dict[str, tuple[int, bytes]] = {}
+        """Per node, the round and signed form of its offer as last read (sent along with proposals)."""
         self.on_refused = on_refused
         self._background: set[asyncio.Task[Any]] = set()
         self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
@@ -195,6 +202,7 @@ class Matchmaker:
             or spec.find(self.node_id) is None
         ):
             return None
+        self._take_carried_offers(spec)
         refusal = await self._proposal_refusal(spec, proposer)
         if future.done():  # (another proposal, or this node's own lead, came meanwhile)
             return None
@@ -212,16 +220,29 @@ class Matchmaker:
         future.set_result(accepted)
         return accepted
 
+    def _take_carried_offers(self, spec: GroupSpec) -> None:
+        """Adds the offers a proposal carries (signed by their publishers, for its round, of its
+        members) that this node has not read itself; the others are ignored."""
+        names = {m.node_id for m in spec.members}
+        for signed in spec.offers:
+            entry = self.dht.verify(round_key(self.run_id), signed)
+            offer = None if entry is None else self._valid_offer(entry.node_id, entry)
+            if offer is not None and offer.outer_step == spec.round and offer.node_id in names:
+                self._round_offers.setdefault(offer.node_id, offer)
+
     async def _proposal_refusal(self, spec: GroupSpec, proposer: str | None) -> str | None:
         """Why the round's offers do not bear this group out (None: they do). An offer this node has
-        not seen yet makes it read the round's offers again, a bounded number of times a round."""
+        not seen yet makes it read the round's offers again, a bounded number of times a round and
+        within PROPOSAL_READ_BUDGET_S."""
         problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
         if problem is not None and self._offer_reads < MAX_PROPOSAL_READS:
             self._offer_reads += 1
-            self._round_offers.update(
-                _for_round(await self._current_offers(round_key(self.run_id)), spec.round)
-            )
-            problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
+            with contextlib.suppress(asyncio.TimeoutError):
+                current = await asyncio.wait_for(
+                    self._current_offers(round_key(self.run_id)), PROPOSAL_READ_BUDGET_S
+                )
+                self._round_offers.update(_for_round(current, spec.round))
+                problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
         return problem
 
     # ----- the node's own matchmaking -----
@@ -248,7 +269,7 @@ class Matchmaker:
         )
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
-        self._round_offers, self._offer_reads = {own.node_id: own}, 0
+        self._round_offers, self._offer_reads, self._signed_offers = {own.node_id: own}, 0, {}
         key = round_key(self.run_id)
         try:
             started = time.monotonic()
@@ -302,16 +323,25 @@ class Matchmaker:
         entries = await self.dht.get(key)
         offers = {}
         for node_id, entry in entries.items():
-            offer = Offer.from_entry(node_id, entry)
-            if offer is None or node_id == self.node_id:
+            offer = self._valid_offer(node_id, entry)
+            if offer is None:
                 continue
-            if offer.run_digest != self.run_digest:
-                continue
-            if offer.weight > self.max_weight:
-                self._refuse_weight(offer)
-                continue
-            offers[node_id] = offer
+            if entry.signed:
+                self._signed_offers[node_id] = (offer.outer_step, entry.signed)
+            if node_id != self.node_id:
+                offers[node_id] = offer
         return offers
+
+    def _valid_offer(self, node_id: str, entry: DHTEntry) -> Offer | None:
+        """The offer in `entry` if it is well formed, of this run's configuration and within the
+        weight cap (an offer over it is counted and logged)."""
+        offer = Offer.from_entry(node_id, entry)
+        if offer is None or offer.run_digest != self.run_digest:
+            return None
+        if offer.weight > self.max_weight:
+            self._refuse_weight(offer)
+            return None
+        return offer
 
     def _refuse_weight(self, offer: Offer) -> None:
         """Counts and logs an offer over the weight cap, once per node and round."""
@@ -406,6 +436,12 @@ class Matchmaker:
             tuple(members),
             self.wire_dtype,
             self.allreduce_timeout_s,
+            tuple(
+                signed
+                for o in ordered
+                for step, signed in [self._signed_offers.get(o.node_id, (-1, b""))]
+                if step == own.outer_step
+            ),
         )
 
     def _mark_frozen(self, own: Offer) -> None:

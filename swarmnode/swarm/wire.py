@@ -15,6 +15,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from swarmnode.net.dht_records import MAX_RECORD_BYTES
 from swarmnode.net.rpc import CHUNK_BYTES, encode_data_chunk
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
@@ -49,6 +50,7 @@ def check_dtype(wire_dtype: str) -> str:
 
 CURSOR_KEYS = ("shard", "epoch", "position")
 MAX_GROUP_SIZE = 256
+MAX_OFFER_BYTES = MAX_RECORD_BYTES  # a signed offer is one DHT record
 _HEX = re.compile(r"[0-9a-f]{1,128}")
 
 
@@ -98,9 +100,14 @@ class GroupSpec:
     """"fp32" | "bf16" | "int8" | "int4"."""
     timeout_s: float
     """The all-reduce's budget (--allreduce-timeout)."""
+    offers: tuple[bytes, ...] = ()
+    """The members' signed DHT offers the leader read (`DHTEntry.signed`): the group's evidence."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", tuple(self.members))
+        object.__setattr__(self, "offers", tuple(self.offers))
+        if len(self.offers) > len(self.members) or any(len(o) > MAX_OFFER_BYTES for o in self.offers):
+            raise ValueError(f"group {self.group_id!r} carries more or larger offers than it has members")
         check_dtype(self.wire_dtype)
         if not 0 < len(self.members) <= MAX_GROUP_SIZE:
             raise ValueError(f"a group has 1-{MAX_GROUP_SIZE} members, got {len(self.members)}")
@@ -173,6 +180,7 @@ def spec_to_pb(spec: GroupSpec) -> pb.GroupProposal:
         group_id=spec.group_id,
         wire_dtype=spec.wire_dtype,
         timeout_s=spec.timeout_s,
+        member_offers=spec.offers,
     )
     for m in spec.members:
         member = msg.members.add(
@@ -200,7 +208,9 @@ def spec_from_pb(msg: pb.GroupProposal) -> GroupSpec:
         )
         for m in msg.members
     )
-    return GroupSpec(msg.run_id, msg.round, msg.group_id, members, msg.wire_dtype, msg.timeout_s)
+    return GroupSpec(
+        msg.run_id, msg.round, msg.group_id, members, msg.wire_dtype, msg.timeout_s, tuple(msg.member_offers)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

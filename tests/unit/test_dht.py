@@ -1018,3 +1018,19 @@ def test_a_bootstrap_peer_that_restarted_knowing_nobody_is_knocked_on_again(monk
 
 async def _knows(member: Member, other: Member) -> bool:
     return other.identity.node_id in member.contacts()
+
+
+def test_an_entry_passed_on_by_a_peer_verifies_only_as_its_publisher_signed_it_under_its_key() -> None:
+    """`SwarmDHT.verify` is how a member checks the offers a proposal carries: the publisher's entry
+    verifies as read; altered, moved to another key, or expired, it does not."""
+    publisher, reader = Identity.generate(), SwarmDHT(Identity.generate(), DHTConfig())
+    value_bytes = dht_records.encode_value({"o": 4, "w": 10.0})
+    signed = dht_records.sign_entry(publisher, dht_records.dht_key("k"), value_bytes, 7, time.time() + 60)
+    blob = dht_records.encode_entry(signed)
+    entry = reader.verify("k", blob)
+    assert entry is not None and entry.node_id == publisher.node_id.hex() and entry.value["w"] == 10.0
+    assert entry.signed == blob and dht_records.to_dht_entry(signed).signed == blob
+    assert reader.verify("k", blob.replace(b"10.0", b"99.0")) is None
+    assert reader.verify("other", blob) is None
+    old = dht_records.sign_entry(publisher, dht_records.dht_key("k"), value_bytes, 7, time.time() - 600)
+    assert reader.verify("k", dht_records.encode_entry(old)) is None

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
+import time
 
 from swarmnode.net.dht_records import DHTEntry
-from swarmnode.swarm.matchmaking import Matchmaker, Offer, Outcome, round_key
+from swarmnode.swarm.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
 from swarmnode.swarm.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
@@ -19,6 +21,8 @@ class MemoryDHT:
     def __init__(self) -> None:
         self.records: dict[str, dict[str, DHTEntry]] = {}
         self.seq = itertools.count(1)
+        self.issued: set[bytes] = set()  # every entry a publisher "signed" (stands in for signatures)
+        self.reads_stalled = False  # look-ups take longer than a proposal may wait
 
 
 class NodeView:
@@ -29,12 +33,24 @@ class NodeView:
 
     async def publish(self, key: str, value: dict, ttl_s: float) -> bool:
         await asyncio.sleep(0)
-        entry = DHTEntry(self.node_id, dict(value), next(self.shared.seq), 1e12)
+        seq = next(self.shared.seq)
+        signed = json.dumps([key, self.node_id, value, seq]).encode()
+        self.shared.issued.add(signed)
+        entry = DHTEntry(self.node_id, dict(value), seq, 1e12, signed)
         self.shared.records.setdefault(key, {})[self.node_id] = entry
         return True
 
+    def verify(self, key: str, signed: bytes) -> DHTEntry | None:
+        """Only what a publisher issued under `key` verifies, as with real signatures."""
+        if signed not in self.shared.issued:
+            return None
+        signed_key, node_id, value, seq = json.loads(signed)
+        return DHTEntry(node_id, value, seq, 1e12, signed) if signed_key == key else None
+
     async def get(self, key: str) -> dict[str, DHTEntry]:
         await asyncio.sleep(0)
+        while self.shared.reads_stalled:
+            await asyncio.sleep(0.05)
         return dict(self.shared.records.get(key, {}))
 
 
@@ -340,3 +356,34 @@ def test_an_offer_over_the_runs_weight_cap_is_left_out_of_the_group_and_counted_
     assert [m.node_id for m in honest.group.members] == ["01" * 20, "02" * 20]
     assert all(m.weight == 2560.0 for m in honest.group.members)
     assert refused.count("over_weight") == 2  # each honest node counted it once, however often it read
+
+
+def test_a_member_checks_a_proposal_by_the_signed_offers_it_carries_without_a_look_up() -> None:
+    """A member that has not read the leader's offer yet, while look-ups stall (a table of departed
+    contacts), accepts the leader's group from the offers the proposal carries, in well under the
+    leader's proposal deadline; a carried offer its publisher never signed is of no use, and the member
+    refuses once its bounded look-up gives up."""
+
+    async def scenario() -> tuple[GroupSpec | None, GroupSpec | None, float, list[str]]:
+        nodes, refused = proposals_under_test(3)
+        pending = await offering(nodes, 4)
+        entries = entries_of(nodes)
+        leader = min(nodes, key=lambda n: (Offer.from_entry(n.node_id, entries[n]).deadline, n.node_id))
+        member = next(n for n in nodes if n is not leader)
+        member._round_offers.pop(leader.node_id, None)  # noqa: SLF001 (it has not read it yet)
+        nodes[0].dht.shared.reads_stalled = True
+        carried = tuple(e.signed for e in entries.values())
+        unsigned = tuple(e.signed.replace(b"[", b"[ ", 1) for e in entries.values())
+        forged = dataclasses.replace(their_group(nodes, 4), offers=unsigned)
+        started = time.monotonic()
+        refused_answer = await member.on_proposal(forged, leader.node_id)
+        accepted = await member.on_proposal(dataclasses.replace(forged, offers=carried), leader.node_id)
+        took_s = time.monotonic() - started
+        nodes[0].dht.shared.reads_stalled = False
+        await cancel(pending)
+        return refused_answer, accepted, took_s, refused
+
+    refused_answer, accepted, took_s, refused = asyncio.run(scenario())
+    assert refused_answer is None and refused == ["not_offered"]
+    assert accepted is not None and len(accepted.members) == 3
+    assert took_s < PROPOSE_TIMEOUT_S  # the refusal's bounded look-up included

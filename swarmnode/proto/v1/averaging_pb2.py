@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmnode.proto.v1 import snapshot_pb2 as swarmnode_dot_proto_dot_v1_dot_snapshot__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmnode/proto/v1/averaging.proto\x12\x0cswarmnode.v1\x1a!swarmnode/proto/v1/snapshot.proto\"C\n\x11\x41waitGroupRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\x90\x01\n\x0bGroupMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12(\n\x06\x63ursor\x18\x04 \x01(\x0b\x32\x18.swarmnode.v1.DataCursor\x12\x15\n\rglobal_digest\x18\x05 \x01(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\x08\"\xc1\x01\n\rGroupProposal\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12*\n\x07members\x18\x04 \x03(\x0b\x32\x19.swarmnode.v1.GroupMember\x12\x12\n\nwire_dtype\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x19\n\x11leader_public_key\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\"1\n\rProposalReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xee\x01\n\x12\x43ontributionHeader\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\x0e\n\x06weight\x18\x07 \x01(\x01\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x16\n\x0etotal_elements\x18\t \x01(\x04\x12\x15\n\rpart_elements\x18\n \x01(\x04\x12\x12\n\npublic_key\x18\x0b \x01(\x0c\x12\x11\n\tsignature\x18\x0c \x01(\x0c\"\x7f\n\x0c\x43ontribution\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32 .swarmnode.v1.ContributionHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x0c\n\x04\x62ulk\x18\x05 \x01(\x08\"q\n\x0e\x41veragedHeader\x12\x14\n\x0c\x63ontributors\x18\x01 \x01(\r\x12\x15\n\rpart_elements\x18\x02 \x01(\x04\x12\x12\n\nwire_dtype\x18\x03 \x01(\t\x12\x10\n\x08included\x18\x04 \x03(\r\x12\x0c\n\x04\x62ulk\x18\x05 \x01(\x08\"Z\n\x0c\x41veragedPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarmnode.v1.AveragedHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xeb\x01\n\x10\x41veragingService\x12\x43\n\x07Propose\x12\x1b.swarmnode.v1.GroupProposal\x1a\x1b.swarmnode.v1.ProposalReply\x12\x46\n\x08\x45xchange\x12\x1a.swarmnode.v1.Contribution\x1a\x1a.swarmnode.v1.AveragedPart(\x01\x30\x01\x12J\n\nAwaitGroup\x12\x1f.swarmnode.v1.AwaitGroupRequest\x1a\x1b.swarmnode.v1.GroupProposalb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmnode/proto/v1/averaging.proto\x12\x0cswarmnode.v1\x1a!swarmnode/proto/v1/snapshot.proto\"C\n\x11\x41waitGroupRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\x90\x01\n\x0bGroupMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12(\n\x06\x63ursor\x18\x04 \x01(\x0b\x32\x18.swarmnode.v1.DataCursor\x12\x15\n\rglobal_digest\x18\x05 \x01(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\x08\"\xd8\x01\n\rGroupProposal\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12*\n\x07members\x18\x04 \x03(\x0b\x32\x19.swarmnode.v1.GroupMember\x12\x12\n\nwire_dtype\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x19\n\x11leader_public_key\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\x15\n\rmember_offers\x18\t \x03(\x0c\"1\n\rProposalReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xee\x01\n\x12\x43ontributionHeader\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\x0e\n\x06weight\x18\x07 \x01(\x01\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x16\n\x0etotal_elements\x18\t \x01(\x04\x12\x15\n\rpart_elements\x18\n \x01(\x04\x12\x12\n\npublic_key\x18\x0b \x01(\x0c\x12\x11\n\tsignature\x18\x0c \x01(\x0c\"\x7f\n\x0c\x43ontribution\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32 .swarmnode.v1.ContributionHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x0c\n\x04\x62ulk\x18\x05 \x01(\x08\"q\n\x0e\x41veragedHeader\x12\x14\n\x0c\x63ontributors\x18\x01 \x01(\r\x12\x15\n\rpart_elements\x18\x02 \x01(\x04\x12\x12\n\nwire_dtype\x18\x03 \x01(\t\x12\x10\n\x08included\x18\x04 \x03(\r\x12\x0c\n\x04\x62ulk\x18\x05 \x01(\x08\"Z\n\x0c\x41veragedPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarmnode.v1.AveragedHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xeb\x01\n\x10\x41veragingService\x12\x43\n\x07Propose\x12\x1b.swarmnode.v1.GroupProposal\x1a\x1b.swarmnode.v1.ProposalReply\x12\x46\n\x08\x45xchange\x12\x1a.swarmnode.v1.Contribution\x1a\x1a.swarmnode.v1.AveragedPart(\x01\x30\x01\x12J\n\nAwaitGroup\x12\x1f.swarmnode.v1.AwaitGroupRequest\x1a\x1b.swarmnode.v1.GroupProposalb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPMEMBER']._serialized_start=157
   _globals['_GROUPMEMBER']._serialized_end=301
   _globals['_GROUPPROPOSAL']._serialized_start=304
-  _globals['_GROUPPROPOSAL']._serialized_end=497
-  _globals['_PROPOSALREPLY']._serialized_start=499
-  _globals['_PROPOSALREPLY']._serialized_end=548
-  _globals['_CONTRIBUTIONHEADER']._serialized_start=551
-  _globals['_CONTRIBUTIONHEADER']._serialized_end=789
-  _globals['_CONTRIBUTION']._serialized_start=791
-  _globals['_CONTRIBUTION']._serialized_end=918
-  _globals['_AVERAGEDHEADER']._serialized_start=920
-  _globals['_AVERAGEDHEADER']._serialized_end=1033
-  _globals['_AVERAGEDPART']._serialized_start=1035
-  _globals['_AVERAGEDPART']._serialized_end=1125
-  _globals['_AVERAGINGSERVICE']._serialized_start=1128
-  _globals['_AVERAGINGSERVICE']._serialized_end=1363
+  _globals['_GROUPPROPOSAL']._serialized_end=520
+  _globals['_PROPOSALREPLY']._serialized_start=522
+  _globals['_PROPOSALREPLY']._serialized_end=571
+  _globals['_CONTRIBUTIONHEADER']._serialized_start=574
+  _globals['_CONTRIBUTIONHEADER']._serialized_end=812
+  _globals['_CONTRIBUTION']._serialized_start=814
+  _globals['_CONTRIBUTION']._serialized_end=941
+  _globals['_AVERAGEDHEADER']._serialized_start=943
+  _globals['_AVERAGEDHEADER']._serialized_end=1056
+  _globals['_AVERAGEDPART']._serialized_start=1058
+  _globals['_AVERAGEDPART']._serialized_end=1148
+  _globals['_AVERAGINGSERVICE']._serialized_start=1151
+  _globals['_AVERAGINGSERVICE']._serialized_end=1386
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class GroupMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[_Union[_snapshot_pb2.DataCursor, _Mapping]] = ..., global_digest: _Optional[str] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupProposal(_message.Message):
-    __slots__ = ("run_id", "round", "group_id", "members", "wire_dtype", "timeout_s", "leader_public_key", "signature")
+    __slots__ = ("run_id", "round", "group_id", "members", "wire_dtype", "timeout_s", "leader_public_key", "signature", "member_offers")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GroupProposal(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LEADER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_OFFERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     group_id: str
@@ -51,7 +52,8 @@ class GroupProposal(_message.Message):
     timeout_s: float
     leader_public_key: bytes
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., wire_dtype: _Optional[str] = ..., timeout_s: _Optional[float] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    member_offers: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., wire_dtype: _Optional[str] = ..., timeout_s: _Optional[float] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., member_offers: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ProposalReply(_message.Message):
     __slots__ = ("accepted", "reason")
