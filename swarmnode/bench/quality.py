@@ -59,9 +59,9 @@ TIMEOUT_S = 4 * 3600.0
 SIDE_PROCESSES = 3
 """Worker processes at once (the three sides of a comparison; a sweep's jobs queue for them)."""
 
-# The defaults (README "Model quality"): H (DiLoCo's best with DP bytes / DiLoCo bytes ≥ 100), outer lr
-# and momentum from the sweep and the 20-round screen, the merge's α and each side's peak learning rate
-# its best at the default length. 80 rounds, because at 40 the comparison had not settled: DiLoCo / DP
+# The defaults (docs/benchmarks.md "Model quality"): H (DiLoCo's best with DP bytes / DiLoCo bytes ≥ 100),
+# outer lr and momentum from the sweep and the 20-round screen, the merge's α and each side's peak learning
+# rate its best at the default length. 80 rounds, because at 40 the comparison had not settled: DiLoCo / DP
 # fell from 1.17 (round 20) to 1.11 (40) and only levels out at 1.04-1.06 from round 60.
 DEFAULT_WORKERS = 4
 DEFAULT_INNER_STEPS = 100

@@ -49,8 +49,8 @@ from swarmnode.util.procs import NodeProcess, samples, stop_all, wait_until
 WIRE = "bf16"
 DEFAULT_INNER_STEPS = {"tiny": 40, "small": 100}
 """H per model: `small` at the quality bench's H (100); per-round costs that are not communication (the
-held-out loss after each step, the hot snapshot each round's announcement needs) weigh 3.3× more at
-H=30 (README "On a capped network": both)."""
+held-out loss after each step, the hot snapshot each round's announcement needs) weigh more at small H
+(docs/benchmarks.md "On a capped network" has both)."""
 _ROUND_LINE = re.compile(r"round (\d+): averaged with (\d+) members in ([0-9.]+) s")
 
 

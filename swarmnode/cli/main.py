@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from swarmnode.core.presets import MODEL_PRESETS
-from swarmnode.node.config import FLAG_BY_FIELD, build_run_parser, load_config, parse_flag
+from swarmnode.node.config import FLAG_BY_FIELD, RUN_USAGE, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
 from swarmnode.util.errors import ConfigError, StateNotSaved
 
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     build_run_parser(
         sub.add_parser(
             "run",
+            usage=RUN_USAGE,
             help="run one swarm node until stopped",
             description="Run one swarm node. Every flag also reads SWARMNODE_<NAME> "
             "from the environment; precedence: flag > env > --config file.",
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="export the node's local weights instead of the swarm's global params",
     )
-    sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery (~1 min)")
+    sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery")
     ledger = sub.add_parser("ledger", help="the receipts ledgers of nodes")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=OneLineParser)
     check = ledger_sub.add_parser(

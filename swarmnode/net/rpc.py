@@ -26,8 +26,8 @@ from swarmnode.util.labels import FetchFailure
 from swarmnode.util.validate import parse_host_port
 
 CHUNK_BYTES = 1 << 20
-"""Data bytes per stream message: the measured sweet spot for protobuf streams (1 MiB: 2.0-2.2 GB/s on
-loopback, vs 0.5 at 64 KiB and ~0.95 at 4 MiB)."""
+"""Data bytes per stream message: the fastest size for protobuf streams (docs/benchmarks.md "Component
+measurements")."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES + 64 * 1024
 """Largest message either side sends or accepts; leaves room for larger averaging parts later."""
 SNAPSHOT_SERVICE = "swarmnode.v1.SnapshotService"
@@ -128,7 +128,7 @@ class NodeStatus:
     last_allreduce_s: float | None = None
     repairs: int = 0
     reachability: str = ""
-    """"reachable" or "client" (README "Behind NAT"); "" from an older node."""
+    """"reachable" or "client" (docs/design.md "Behind NAT"); "" from an older node."""
     snapshot_error: str = ""
     """"" while the node's snapshots are written; else why its newest state is not on disk."""
 

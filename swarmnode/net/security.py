@@ -1,5 +1,5 @@
 """Who may talk to a node: optional TLS for gRPC, mutual TLS with the swarm's CA, and a swarm token on
-every RPC (README "Trust" has the threat model).
+every RPC (docs/design.md "Trust" has the threat model).
 
 - `--swarm-token`: every RPC must carry it (metadata `x-swarmnode-token`); a call without it, or with
   another, ends UNAUTHENTICATED before any handler runs. It is compared in constant time and never

@@ -69,7 +69,7 @@ class Membership:
     ) -> None:
         """`uptime_s()`: how long this node has run; `on_duplicate` is told, once, when this running
         node turns out to be the younger of two with one identity; `reachable()`: this node's mode now
-        (a client announces no address, README "Behind NAT")."""
+        (a client announces no address, docs/design.md "Behind NAT")."""
         self.reachable = reachable
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
         self.round_key = round_key(dht_run)

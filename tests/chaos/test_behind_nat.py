@@ -1,6 +1,7 @@
-"""A volunteer behind NAT (README "Behind NAT"), on real network namespaces (`swarmnode.bench.netbed`):
-three reachable nodes on a bridge, and a fourth in a namespace behind a router that masquerades it
-(`iptables -t nat ... MASQUERADE`) and drops every connection from outside, counting each one.
+"""A volunteer behind NAT (docs/design.md "Behind NAT"), on real network namespaces
+(`swarmnode.bench.netbed`): three reachable nodes on a bridge, and a fourth in a namespace behind a router
+that masquerades it (`iptables -t nat ... MASQUERADE`) and drops every connection from outside, counting
+each one.
 
 The node behind NAT finds out by the dial-back probe that it cannot be reached, joins as a client,
 averages in every round (coverage 1, its contributions in every part, identical digests), never

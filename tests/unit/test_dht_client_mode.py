@@ -1,4 +1,4 @@
-"""DHT client mode (README "Behind NAT"): a node that peers cannot reach queries and stores through
+"""DHT client mode (docs/design.md "Behind NAT"): a node that peers cannot reach queries and stores through
 others but never enters their routing tables, and answers nobody."""
 
 from __future__ import annotations
