@@ -131,6 +131,8 @@ class NodeStatus:
     """"reachable" or "client" (docs/design.md "Behind NAT"); "" from an older node."""
     snapshot_error: str = ""
     """"" while the node's snapshots are written; else why its newest state is not on disk."""
+    run_settings: str = ""
+    """The settings its run digest hashes, as JSON (`training.run_settings`); "" from an older node."""
 
 
 def meta_to_pb(meta: SnapshotMeta | SnapshotInfo) -> pb.SnapshotMeta:
@@ -165,6 +167,7 @@ _OPTIONAL_STATUS_FIELDS = ("last_loss", "last_coverage", "last_allreduce_s")
 _PLAIN_STATUS_FIELDS = (
     *("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step"),
     *("tokens_per_s", "peers", "global_digest", "repairs", "reachability", "snapshot_error"),
+    "run_settings",
 )
 
 

@@ -390,6 +390,8 @@ class StatusBoard:
     """This node's mode now ("reachable" or "client")."""
     snapshot_error: Callable[[], str] = lambda: ""
     """Why the node's newest state is not on disk ("" while snapshots are written)."""
+    run_settings: str = ""
+    """What its run digest hashes (`RunIdentity.settings`), for peers of another configuration."""
 
     def status(self, sample: TrainingSample, peers: int) -> rpc.NodeStatus:
         """The gRPC status answer: the training thread's published sample and this board."""
@@ -407,6 +409,7 @@ class StatusBoard:
             global_digest=sample.global_digest,
             reachability=self.reachability(),
             snapshot_error=self.snapshot_error(),
+            run_settings=self.run_settings,
             **_round_status(self.last_round, self.repairs),
         )
 
