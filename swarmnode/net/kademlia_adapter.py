@@ -660,6 +660,13 @@ class SwarmProtocol(KademliaProtocol):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def idle(self) -> None:
+        """Wait until every task this protocol has started (verification pings and what they lead to,
+        hand-offs) has ended, those they start included. A request's sender is scheduled for
+        verification before the request is answered, so after an answer this covers its verification."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
     async def aclose(self) -> None:
         """Cancel our tasks and answer every outstanding request with a failure."""
         await settle(*self._tasks)
