@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from swarmnode.bench.quality import QualityRun, add_quality
+from swarmnode.bench.procs import NodeProcess, Worker, wait_until
+from swarmnode.bench.quality_sim import QualityRun, add_quality
 from swarmnode.bench.runner import BenchResult, load_note, median, trained_run
-from swarmnode.bench.worker import answer_requests, say
+from swarmnode.bench.worker_lines import answer_requests, say
 from swarmnode.core.model import configure_determinism
-from swarmnode.util.procs import NodeProcess, Worker, wait_until
 from swarmnode.util.threads import TrainingThread
 
 BATCH_SIZE = 8

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from swarmnode.bench import netbed
 from swarmnode.bench.netbed import NetBed
+from swarmnode.bench.procs import NodeProcess, samples, stop_all, wait_until
 from swarmnode.bench.runner import BenchResult, load_note
 from swarmnode.core.data import default_corpus
 from swarmnode.core.ledger import read_ledger
@@ -44,7 +45,6 @@ from swarmnode.core.model import GPT, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.swarm import codecs
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import NodeProcess, samples, stop_all, wait_until
 
 WIRE = "bf16"
 DEFAULT_INNER_STEPS = {"tiny": 40, "small": 100}

@@ -84,7 +84,7 @@ def delta_length(node: NodeProcess) -> int:
 
 def metrics_inside(ns: Namespace, node: NodeProcess) -> str:
     """The node's metrics, read from inside the laptop's namespace (a call from outside would be a dial)."""
-    code = f"from swarmnode.util.procs import scrape; print(scrape({node.metrics_url!r}))"
+    code = f"from swarmnode.bench.procs import scrape; print(scrape({node.metrics_url!r}))"
     return ns.run([sys.executable, "-c", code], check=False).stdout  # "" until it serves
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmnode.bench import quality
+from swarmnode.bench import quality_sim
 from swarmnode.cli.main import build_parser
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.node.config import FLAGS, FlagGroup, NodeConfig, build_run_parser, load_config
@@ -32,7 +32,7 @@ def test_defaults_follow_the_design() -> None:
 
 def test_the_merge_default_is_the_one_the_quality_bench_chose() -> None:
     """`node/config.py` stays free of torch, so it spells α out; it must be core's (and the bench's)."""
-    assert parse([]).outer_mix == DilocoConfig().outer_mix == quality.DEFAULT_OUTER_MIX
+    assert parse([]).outer_mix == DilocoConfig().outer_mix == quality_sim.DEFAULT_OUTER_MIX
 
 
 def test_precedence_is_flag_over_env_over_toml(tmp_path: Path) -> None:
