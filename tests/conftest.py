@@ -18,7 +18,7 @@ two and a half minutes together on 2 cores; the default suite still runs them.""
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(item.path)
-        if path.parent == UNIT_DIR and path.name not in NOT_FAST:
+        if path.parent == UNIT_DIR and path.name not in NOT_FAST and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.unit)
 
 
