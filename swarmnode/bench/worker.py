@@ -5,8 +5,8 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 - `serve [SNAPSHOT_FILE]`: a raw TCP sender on loopback (each connection sends an 8-byte little-endian
   length first: 0 asks for the file, n > 0 for n bytes from memory) and, given a file, a real gRPC
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
-- `quality`: says `{"quality": true}`; each request is a `quality.SideJob` as JSON: it trains that side
-  of the quality comparison (`quality.train_side`) and answers its held-out curve (`Curve` as JSON).
+- `quality`: says `{"quality": true}`; each request is a `quality_sim.SideJob` as JSON: it trains that side
+  of the quality comparison (`quality_sim.train_side`) and answers its held-out curve (`Curve` as JSON).
 - `bare-train PRESET THREADS WARMUP_STEPS`: the train bench's anchor (`train.bare_train`): trains
   WARMUP_STEPS untimed, says `{"bare": true}`; a request `{"steps": n}` trains n more and answers
   their seconds.
