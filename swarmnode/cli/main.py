@@ -167,7 +167,10 @@ def _add_identity_parser(sub: Any) -> None:
         "is that id: with --tls-ca a node's certificate must name its id.",
     )
     identity.add_argument(
-        "--data-dir", type=Path, default=Path("swarmnode-data"), metavar="DIR", help="the node's data dir"
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="the node's data dir (as `run`'s, env SWARMNODE_DATA_DIR too)",
     )
     identity.add_argument(
         "--identity", type=Path, metavar="FILE", help="the node's key file (default: DIR/identity.key)"
@@ -205,6 +208,12 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
     for name in CLIENT_SECURITY_FIELDS:
         flag = FLAG_BY_FIELD[name]
         parser.add_argument(flag.option, dest=name, metavar=flag.metavar, help=f"{flag.help}; env {flag.env}")
+
+
+def _identity_path(args: argparse.Namespace) -> Path:
+    """The key file `swarmnode run` would use with these flags and this environment."""
+    values = {name: getattr(args, name) for name in ("data_dir", "identity")}
+    return load_config(values, os.environ, None).identity_path
 
 
 def _configure_client(args: argparse.Namespace) -> None:
@@ -285,8 +294,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "identity":
         from swarmnode.cli.identity import identity_command
 
-        key = args.identity if args.identity is not None else args.data_dir / "identity.key"
-        return _checked(identity_command, key, args.csr, args.tls_key, tuple(args.name))
+        return _checked(identity_command, _identity_path(args), args.csr, args.tls_key, tuple(args.name))
     if args.command == "demo":
         from swarmnode.cli.demo import run_demo
 
