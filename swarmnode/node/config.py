@@ -500,10 +500,7 @@ FLAGS: tuple[Flag, ...] = (
         _mix,
         "α of the merge after each outer step, θ ← α·θ + (1−α)·θ_global (Streaming DiLoCo's mixing "
         "factor); 0: DiLoCo's θ ← θ_global",
-        details=(
-            "The merge ends each outer step: θ ← α·θ + (1−α)·θ_g'. The default 0.3 comes from `swarmnode "
-            'bench quality` (docs/benchmarks.md "Model quality").'
-        ),
+        details='The default 0.3 ended lowest in `swarmnode bench quality` (docs/benchmarks.md "The merge").',
         group=FlagGroup.TRAINING,
     ),
     Flag("batch_size", _positive_int, "sequences per inner step", group=FlagGroup.TRAINING),
