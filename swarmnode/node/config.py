@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,13 +21,12 @@ from typing import Any
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
+from swarmnode.node import flag_values
 from swarmnode.snapshot.format import LAYOUTS
-from swarmnode.swarm.grouping import MIN_GROUP_SIZE
 from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
-from swarmnode.swarm.wire import MAX_GROUP_SIZE, MAX_TIMEOUT_S, WIRE_DTYPES
+from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.validate import parse_host_port
 
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
@@ -195,114 +193,6 @@ def _check_schedule(cfg: NodeConfig) -> None:
     _ = cfg.inner_schedule  # its end past its warm-up, or ConfigError
 
 
-# ----- value parsers: each returns the value or raises ValueError with the reason -----
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be a positive integer")
-    return value
-
-
-def _group_size(text: str) -> int:
-    value = int(text)
-    if not MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE:
-        raise ValueError(f"must be in {MIN_GROUP_SIZE}..{MAX_GROUP_SIZE}")
-    return value
-
-
-MAX_RECOVERY_PEERS = 16
-
-
-def _recovery_peers(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_RECOVERY_PEERS:
-        raise ValueError(f"must be in 1..{MAX_RECOVERY_PEERS}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be ≥ 0")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a port number 0-65535 (0 = pick a free port)")
-    return value
-
-
-def _bulk_port(text: str) -> int | None:
-    if text == "off":
-        return None
-    try:
-        return _port(text)
-    except ValueError:
-        raise ValueError("must be a port number 0-65535 (0 = pick a free port) or off") from None
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError("must be a positive number")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError("must be between 0 and 1")
-    return value
-
-
-def _mix(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise ValueError("must be at least 0 and below 1")
-    return value
-
-
-def _peer_list(text: str) -> tuple[str, ...]:
-    peers = tuple(p.strip() for p in text.split(",") if p.strip())
-    for peer in peers:
-        parse_host_port(peer)
-    return peers
-
-
-def _host(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise ValueError("must be a host name or IP address")
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        if not all(part.replace("-", "").replace("_", "").isalnum() for part in text.split(".")):
-            raise ValueError("must be a host name or IP address") from None
-    return text
-
-
-def _run_id(text: str) -> str:
-    if not text or len(text) > 64 or not all(c.isalnum() or c in "-_." for c in text):
-        raise ValueError("must be 1-64 characters of letters, digits, '-', '_' or '.'")
-    return text
-
-
-def _zstd_level(text: str) -> int:
-    value = int(text)
-    if not -7 <= value <= 19:
-        raise ValueError("must be a zstd level between -7 and 19")
-    return value
-
-
-def _non_empty(text: str) -> str:
-    if not text:
-        raise ValueError("must not be empty")
-    return text
-
-
 class FlagGroup(StrEnum):
     """What a user is doing when they reach for a flag: the sections of `run --help` and of
     docs/configuration.md, in this order (the common flags first)."""
@@ -357,19 +247,10 @@ class Flag:
 OVERLAP_CHOICES = ("off", "on")
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError("must be one of " + "|".join(choices))
-        return text
-
-    return parse
-
-
 FLAGS: tuple[Flag, ...] = (
     Flag(
         "peers",
-        _peer_list,
+        flag_values.peer_list,
         "comma-separated HOST:DHT_PORT of peers to bootstrap from; host names "
         "are resolved; none: this node starts a new swarm",
         metavar="HOST:PORT[,...]",
@@ -377,51 +258,56 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "run_id",
-        _run_id,
+        flag_values.run_id,
         "the training run this node joins; nodes only swarm within one run id",
         group=FlagGroup.COMMON,
     ),
     Flag(
         "data_dir", Path, "directory for snapshots, identity key, receipts and logs", group=FlagGroup.COMMON
     ),
-    Flag("host", _host, "address to listen on (gRPC, DHT, metrics)", group=FlagGroup.NETWORK),
+    Flag("host", flag_values.host, "address to listen on (gRPC, DHT, metrics)", group=FlagGroup.NETWORK),
     Flag(
         "advertise_host",
-        _host,
+        flag_values.host,
         "address peers should use to reach this node (default: --host, or "
         "127.0.0.1 when listening on all interfaces)",
         group=FlagGroup.NETWORK,
     ),
     Flag(
         "grpc_port",
-        _port,
+        flag_values.port,
         "gRPC port for snapshots, status and averaging (0 = pick a free port)",
         group=FlagGroup.NETWORK,
     ),
-    Flag("dht_port", _port, "UDP port of the Kademlia DHT (0 = pick a free port)", group=FlagGroup.NETWORK),
+    Flag(
+        "dht_port",
+        flag_values.port,
+        "UDP port of the Kademlia DHT (0 = pick a free port)",
+        group=FlagGroup.NETWORK,
+    ),
     Flag(
         "metrics_port",
-        _port,
+        flag_values.port,
         "Prometheus /metrics port (0 = pick a free port)",
         group=FlagGroup.OBSERVABILITY,
     ),
     Flag(
         "bulk_port",
-        _bulk_port,
+        flag_values.bulk_port,
         "TCP port of the all-reduce's bulk lane, beside gRPC on plaintext swarms (0 = pick a free "
         "port; off = every byte over gRPC); a peer that cannot reach it uses gRPC",
         group=FlagGroup.NETWORK,
     ),
     Flag(
         "model",
-        _choice(MODEL_PRESETS),
+        flag_values.choice(MODEL_PRESETS),
         "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
         choices=MODEL_PRESETS,
         group=FlagGroup.COMMON,
     ),
     Flag(
         "data",
-        _non_empty,
+        flag_values.non_empty,
         "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
         "directory (bytes); default: the Python standard library's own sources",
         metavar="PATH",
@@ -429,20 +315,20 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "device",
-        _choice(DEVICES),
+        flag_values.choice(DEVICES),
         "where to train; auto picks cuda when available",
         choices=DEVICES,
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "threads",
-        _positive_int,
+        flag_values.positive_int,
         "CPU threads for torch (default: torch's own choice)",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "inner_steps",
-        _positive_int,
+        flag_values.positive_int,
         "H: the most inner AdamW steps per round (with --fragments K: per fragment; a round is H/K)",
         details=(
             "With `--fragments K`, H counts the steps between two outer steps of one fragment; a round is "
@@ -452,20 +338,20 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "inner_seconds",
-        _positive_float,
+        flag_values.positive_float,
         "optional time box of a round's inner phase, for slow volunteers (makes runs non-deterministic)",
         metavar="SECONDS",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "inner_lr",
-        _positive_float,
+        flag_values.positive_float,
         "inner AdamW learning rate (the schedule's peak)",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "lr_schedule",
-        _choice(LR_SCHEDULES),
+        flag_values.choice(LR_SCHEDULES),
         "inner learning-rate schedule after the warm-up: constant, or cosine down to --final-lr-fraction of "
         "the peak at --total-steps",
         choices=LR_SCHEDULES,
@@ -473,13 +359,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "inner_warmup_steps",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "inner steps of linear learning-rate warm-up",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "total_steps",
-        _positive_int,
+        flag_values.positive_int,
         "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps / --fragments; "
         "must agree across the run)",
         details="Give it explicitly in a swarm: every member must use the same value.",
@@ -487,74 +373,76 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "final_lr_fraction",
-        _fraction,
+        flag_values.fraction,
         "where a cosine schedule ends, as a fraction of the peak (0: straight to zero; held after "
         "--total-steps; must agree across the run)",
         metavar="F",
         group=FlagGroup.TRAINING,
     ),
-    Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate", group=FlagGroup.TRAINING),
-    Flag("outer_momentum", _fraction, "outer Nesterov momentum", group=FlagGroup.TRAINING),
+    Flag(
+        "outer_lr", flag_values.positive_float, "outer SGD (Nesterov) learning rate", group=FlagGroup.TRAINING
+    ),
+    Flag("outer_momentum", flag_values.fraction, "outer Nesterov momentum", group=FlagGroup.TRAINING),
     Flag(
         "outer_mix",
-        _mix,
+        flag_values.mix,
         "α of the merge after each outer step, θ ← α·θ + (1−α)·θ_global (Streaming DiLoCo's mixing "
         "factor); 0: DiLoCo's θ ← θ_global",
         details='The default 0.3 ended lowest in `swarmnode bench quality` (docs/benchmarks.md "The merge").',
         group=FlagGroup.TRAINING,
     ),
-    Flag("batch_size", _positive_int, "sequences per inner step", group=FlagGroup.TRAINING),
+    Flag("batch_size", flag_values.positive_int, "sequences per inner step", group=FlagGroup.TRAINING),
     Flag(
         "seq_len",
-        _positive_int,
+        flag_values.positive_int,
         "tokens per sequence (at most the preset's context)",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "num_shards",
-        _positive_int,
+        flag_values.positive_int,
         "shards the training data is cut into (must agree across the run)",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "shard",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "this node's shard (default: chosen from the node id)",
         group=FlagGroup.TRAINING,
     ),
     Flag(
         "hot_every",
-        _positive_int,
+        flag_values.positive_int,
         "inner steps between hot (speculative, background) snapshots",
         group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "cold_every",
-        _positive_int,
+        flag_values.positive_int,
         "outer steps between cold (fsynced, kept longer) snapshots",
         group=FlagGroup.SNAPSHOTS,
     ),
-    Flag("keep_hot", _positive_int, "hot snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
-    Flag("keep_cold", _positive_int, "cold snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
+    Flag("keep_hot", flag_values.positive_int, "hot snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
+    Flag("keep_cold", flag_values.positive_int, "cold snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
     Flag(
         "layout",
-        _choice(LAYOUTS),
+        flag_values.choice(LAYOUTS),
         "snapshot tensor layout: planes (byte planes, smaller) or plain "
         "(zstd -d gives an ordinary safetensors file)",
         choices=LAYOUTS,
         group=FlagGroup.SNAPSHOTS,
     ),
-    Flag("hot_level", _zstd_level, "zstd level of hot snapshots", group=FlagGroup.SNAPSHOTS),
-    Flag("cold_level", _zstd_level, "zstd level of cold snapshots", group=FlagGroup.SNAPSHOTS),
+    Flag("hot_level", flag_values.zstd_level, "zstd level of hot snapshots", group=FlagGroup.SNAPSHOTS),
+    Flag("cold_level", flag_values.zstd_level, "zstd level of cold snapshots", group=FlagGroup.SNAPSHOTS),
     Flag(
         "max_outer_steps",
-        _positive_int,
+        flag_values.positive_int,
         "stop after this many outer steps (default: run until stopped)",
         group=FlagGroup.COMMON,
     ),
     Flag(
         "seed",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "seed of the model's initialisation and data order (must agree across the run)",
         group=FlagGroup.TRAINING,
     ),
@@ -568,21 +456,21 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "log_format",
-        _choice(LOG_FORMATS),
+        flag_values.choice(LOG_FORMATS),
         "log and progress output: text or json",
         choices=LOG_FORMATS,
         group=FlagGroup.OBSERVABILITY,
     ),
     Flag(
         "progress_interval_s",
-        _positive_float,
+        flag_values.positive_float,
         "seconds between progress lines",
         metavar="SECONDS",
         group=FlagGroup.OBSERVABILITY,
     ),
     Flag(
         "wait_peers",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "before training, wait until this many other members of the run are known, clients included "
         "(a swarm that starts together)",
         details=(
@@ -592,27 +480,27 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "wait_peers_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "--wait-peers waits at most this long, then the node trains with the members it found and says so",
         metavar="SECONDS",
         group=FlagGroup.SWARM,
     ),
     Flag(
         "max_serving",
-        _positive_int,
+        flag_values.positive_int,
         "most concurrent snapshot streams served; the next gets RESOURCE_EXHAUSTED",
         group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "max_serving_per_peer",
-        _positive_int,
+        flag_values.positive_int,
         "most concurrent snapshot streams served to one host (all of loopback is one host)",
         details="With mutual TLS a peer is the node id of its client certificate, else its host.",
         group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "recovery_peers",
-        _recovery_peers,
+        flag_values.recovery_peers,
         "K: a recovering node fetches the swarm's shared state (global params, outer momentum) as "
         "verified ranges from up to K peers at once; 1: one whole snapshot from one peer",
         details=(
@@ -623,7 +511,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "matchmaking_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "seconds to wait for partners before an outer step goes on alone",
         metavar="SECONDS",
         details="At most 600 s.",
@@ -631,7 +519,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "allreduce_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "seconds an all-reduce may take before late parts are left out",
         metavar="SECONDS",
         details="At most 600 s; a proposed group with a longer budget is refused.",
@@ -639,14 +527,14 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "wire_dtype",
-        _choice(WIRE_DTYPES),
+        flag_values.choice(WIRE_DTYPES),
         "dtype of pseudo-gradients on the wire",
         choices=WIRE_DTYPES,
         group=FlagGroup.SWARM,
     ),
     Flag(
         "max_norm_ratio",
-        _positive_float,
+        flag_values.positive_float,
         "a contribution whose norm is over this many times its part's median is left out of the average",
         metavar="RATIO",
         details=(
@@ -656,13 +544,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "min_coverage",
-        _fraction,
+        flag_values.fraction,
         "below this averaged fraction of the pseudo-gradient the outer step is skipped (local progress kept)",
         group=FlagGroup.SWARM,
     ),
     Flag(
         "reachable",
-        _choice(REACHABLE_SETTINGS),
+        flag_values.choice(REACHABLE_SETTINGS),
         "whether peers can dial this node: auto asks peers to dial it back; no: a client behind NAT "
         "(trains and averages, never reduces or serves)",
         choices=REACHABLE_SETTINGS,
@@ -670,7 +558,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "group_size",
-        _group_size,
+        flag_values.group_size,
         "most members of one averaging group: a round this node leads with more members averages in "
         "groups of this size, then among their leaders (an exact two-level average)",
         details='2-256. docs/benchmarks.md "A swarm of N nodes" has the measurement behind the default.',
@@ -678,7 +566,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "overlap",
-        _choice(OVERLAP_CHOICES),
+        flag_values.choice(OVERLAP_CHOICES),
         "on: a round's all-reduce runs while the next inner phase trains, its outer step applied when "
         "it arrives",
         choices=OVERLAP_CHOICES,
@@ -689,7 +577,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "fragments",
-        _positive_int,
+        flag_values.positive_int,
         "K: Δ cut into K equal flat ranges synchronised in turn, one per round of H/K inner steps (rounded "
         "down or up in turn when K does not divide H), so each all-reduce sends 1/K of Δ; at most "
         "--inner-steps; must agree across the run",
@@ -721,7 +609,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "swarm_token",
-        _non_empty,
+        flag_values.non_empty,
         "shared secret every RPC must carry (never logged)",
         metavar="TOKEN",
         group=FlagGroup.TRUST,
@@ -729,18 +617,18 @@ FLAGS: tuple[Flag, ...] = (
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 _METAVARS: dict[Callable[[str], Any], str] = {
-    _positive_int: "N",
-    _non_negative_int: "N",
-    _group_size: "N",
-    _recovery_peers: "K",
-    _port: "PORT",
-    _bulk_port: "PORT|off",
-    _positive_float: "X",
-    _fraction: "F",
-    _mix: "F",
-    _host: "HOST",
-    _run_id: "NAME",
-    _zstd_level: "LEVEL",
+    flag_values.positive_int: "N",
+    flag_values.non_negative_int: "N",
+    flag_values.group_size: "N",
+    flag_values.recovery_peers: "K",
+    flag_values.port: "PORT",
+    flag_values.bulk_port: "PORT|off",
+    flag_values.positive_float: "X",
+    flag_values.fraction: "F",
+    flag_values.mix: "F",
+    flag_values.host: "HOST",
+    flag_values.run_id: "NAME",
+    flag_values.zstd_level: "LEVEL",
     Path: "DIR",
 }
 assert set(FLAG_BY_FIELD) == {f.name for f in dataclasses.fields(NodeConfig)}
