@@ -1,6 +1,6 @@
 """Helpers for tests that run real `swarmnode run` processes on 127.0.0.1.
 
-`NodeProcess` (the package's one child-process harness, `swarmnode.util.procs`, with the tests' tiny
+`NodeProcess` (the package's one child-process harness, `swarmnode.bench.procs`, with the tests' tiny
 settings) starts one node with free ports (port 0), waits for its DATA_DIR/node.json, and is always
 killed by the `reaper` fixture, so no test leaves a process behind.
 """
@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from swarmnode.util import procs
-from swarmnode.util.procs import LOOPBACK_ARGS
+from swarmnode.bench import procs
+from swarmnode.bench.procs import LOOPBACK_ARGS
 
 wait_for = procs.wait_until
 """The one poll helper, as the tests call it."""

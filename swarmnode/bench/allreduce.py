@@ -33,6 +33,7 @@ import torch
 
 from swarmnode.bench.fetch import raw_receive
 from swarmnode.bench.pki import write_pki
+from swarmnode.bench.procs import Worker, free_port
 from swarmnode.bench.runner import BenchResult, median
 from swarmnode.core.model import build_model, count_parameters
 from swarmnode.core.presets import preset
@@ -41,7 +42,6 @@ from swarmnode.swarm.allreduce import GroupSpec
 from swarmnode.swarm.codecs import encoded_size
 from swarmnode.swarm.wire import WIRE_DTYPES, Member
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import Worker, free_port
 
 WORKER_START_S = 120.0
 ROUND_TIMEOUT_S = 300.0

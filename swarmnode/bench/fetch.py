@@ -17,11 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from swarmnode.bench.procs import Worker
 from swarmnode.bench.runner import BenchResult, median, trained_run
 from swarmnode.net import snapshot_client
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.snapshot.write import write_snapshot
-from swarmnode.util.procs import Worker
 
 RECV_BYTES = 1 << 20
 WORKER_START_S = 120.0

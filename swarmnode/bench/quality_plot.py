@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmnode.bench.quality import Comparison
-from swarmnode.util.plotting import new_figure, save_png
+from swarmnode.bench.plotting import new_figure, save_png
+from swarmnode.bench.quality_sim import Comparison
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> list[str]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from swarmnode.bench.quality import SIDE_PROCESSES, Comparison, Curve, Setup, Side, SideJob, run_jobs
+from swarmnode.bench.quality_sim import SIDE_PROCESSES, Comparison, Curve, Setup, Side, SideJob, run_jobs
 from swarmnode.bench.runner import BenchResult
 
 OUTER_LRS = (0.3, 0.5, 0.7, 1.0)

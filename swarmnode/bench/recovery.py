@@ -28,6 +28,7 @@ from typing import Any
 import zstandard
 
 from swarmnode.bench.fetch import grpc_fetch
+from swarmnode.bench.procs import ChildFailed, NodeProcess, Worker, free_port, json_lines
 from swarmnode.bench.recovery_peers import bench_recovery_peers
 from swarmnode.bench.runner import BenchResult, timed, trained_run
 from swarmnode.net.dht import DHTConfig, SwarmDHT
@@ -38,7 +39,6 @@ from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot
 from swarmnode.swarm.announcements import snapshots_key
 from swarmnode.swarm.recovery import RECEIPTS_FILE
-from swarmnode.util.procs import ChildFailed, NodeProcess, Worker, free_port, json_lines
 
 RUN_ID = "bench-recovery"
 TIMEOUT_S = 300.0

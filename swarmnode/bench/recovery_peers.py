@@ -29,10 +29,10 @@ from typing import Any
 
 from swarmnode.bench import netbed
 from swarmnode.bench.netbed import NetBed
+from swarmnode.bench.procs import ChildFailed, NodeProcess, json_lines, samples, stop_all, wait_until
 from swarmnode.bench.runner import BenchResult, load_note
 from swarmnode.swarm.recovery import RECEIPTS_FILE
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import ChildFailed, NodeProcess, json_lines, samples, stop_all, wait_until
 
 RUN_ID = "bench-recovery-peers"
 INNER_STEPS = 4

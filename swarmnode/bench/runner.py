@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
+from swarmnode.bench.procs import largest_child_rss_mb
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.presets import preset
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
-from swarmnode.util.procs import largest_child_rss_mb
 
 KNOBS = (
     "rounds",

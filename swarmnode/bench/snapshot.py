@@ -2,14 +2,12 @@
 ratio of the two layouts vs gzip-6 and torch.save.
 
 The stall is what the training thread waits in `SpeculativeCheckpointer.snapshot` (staging `copy_`
-into reused buffers, then handing the job to the writer). Measured here (2 cores, small preset, 217 MB
-in 381 tensors): on a quiet machine the stall is 0.7-1.1x a numpy memcpy of the same bytes (torch's
-two intra-op threads even beat the single-threaded memcpy). When other processes keep the cores busy,
-single samples of either reach 0.5-2 s (descheduling), and the staging copy suffers more: each of the
-381 `copy_` calls is a fork/join over torch's intra-op threads and waits for the slowest one, so a
-descheduled worker stalls every tensor (median 78 ms vs 37 ms with one thread, 33 ms memcpy). Hence
-memcpy and stall are sampled in alternation, under the same load, and the best of each is compared;
-the medians and a single-threaded staging copy are printed beside them to show the contention.
+into reused buffers, then handing the job to the writer). When other processes keep the cores busy,
+single samples of either reach far beyond their quiet values (descheduling), and a staging copy made
+of many `copy_` calls, each a fork/join over torch's intra-op threads, suffers more (docs/benchmarks.md
+"Component measurements"). Hence memcpy and stall are sampled in alternation, under the same load, and the
+best of each is compared; the medians and a single-threaded staging copy are printed beside them to show the
+contention.
 """
 
 from __future__ import annotations

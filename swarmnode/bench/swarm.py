@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmnode.bench import procs
+from swarmnode.bench.procs import ChildFailed, NodeProcess, wait_until
 from swarmnode.bench.runner import BenchResult, load_note
-from swarmnode.util import procs
-from swarmnode.util.procs import ChildFailed, NodeProcess, wait_until
 
 DEFAULT_NODES = (8, 16, 32)
 
@@ -185,7 +185,7 @@ def _plot(measured: list[SwarmFigures], group_size: int, path: str | Path) -> No
     figure that compares across N on one machine, with 1 + ln(N/N₀) growth for reference."""
     from matplotlib.ticker import NullFormatter
 
-    from swarmnode.util.plotting import new_figure, save_png
+    from swarmnode.bench.plotting import new_figure, save_png
 
     ns = [m.nodes for m in measured]
     fig, (ax, share) = new_figure(height=4, cols=2, width=10)

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from swarmnode.bench.quality import BATCH_SIZE, SEQ_LEN, Curve, Setup, Side, SideJob, run_jobs
+from swarmnode.bench.procs import ChildFailed, NodeProcess
+from swarmnode.bench.quality_sim import BATCH_SIZE, SEQ_LEN, Curve, Setup, Side, SideJob, run_jobs
 from swarmnode.bench.runner import BenchResult
 from swarmnode.core.ledger import read_ledger
 from swarmnode.core.training import HELDOUT_BATCHES
-from swarmnode.util.procs import ChildFailed, NodeProcess
 
 TOLERANCE = 0.005
 """Most relative difference between the swarm's and the simulation's held-out loss."""

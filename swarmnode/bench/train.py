@@ -5,22 +5,19 @@ The node is a single `swarmnode run` with its snapshots (hot every 50 inner step
 often when fewer steps are timed), DHT and metrics on, and JSON progress lines every 0.1 s that say how
 far it is. The bare loop is what the node wraps — `TrainingRun.inner_phase` on a training thread, same
 model, batch, AdamW, shard and `--threads` — in a worker process of its own session started like the
-node, with nothing else (`bare_train`), warmed up for a whole window before the node starts. (It used
-to run on this process's main thread after 5 warm-up steps, in the caller's session: where the
-kernel groups scheduling by session, that loop shared its session's CPU share while the node had one
-of its own.) Other work on a shared machine comes and goes, so the two take turns, one snapshot
-period each: the node trains from one of its snapshots to the next (a window holds one staging stall
-and one whole background write), then waits stopped (SIGSTOP) while the bare loop trains as many
-steps. Each node window is compared with the bare window beside it, and the ratio is the median of those
-pairs: a window that met a burst of other load moves one pair, not the figure. On this 2-core machine,
-otherwise idle, single 50-step windows of `small` vary by ±15% (six pairs of one run: node / bare 0.73 to
-1.15), so the best of two windows each, as this bench used to compare, put the node 3.5% above the loop it
-wraps in one run of two. Twelve pairs (600 steps, the default) steady the median. Before each bare
+node, with nothing else (`bare_train`), warmed up for a whole window before the node starts: where the
+kernel groups scheduling by session, a loop in the caller's session would share its session's CPU
+share while the node had one of its own. Other work on a shared machine comes and goes, so the two take turns,
+one snapshot period each: the node trains from one of its snapshots to the next (a window holds one staging
+stall and one whole background write), then waits stopped (SIGSTOP) while the bare loop trains as many steps.
+Each node window is compared with the bare window beside it, and the ratio is the median of those
+pairs: a window that met a burst of other load moves one pair, not the figure; single windows vary
+widely even on an idle machine, and twelve pairs (600 steps, the default) steady the median. Before each bare
 window, with the node stopped, the bench flushes the page cache (`os.sync()`, timed in neither
 window): a node's snapshot leaves its size in dirty pages that the kernel writes back some seconds
-later, with the discard of the blocks retention freed, and unflushed that work landed in the bare
-window (node / bare 1.071 and 1.088 in two runs here once the writer ran idle-only; README). The
-writeback's own kernel CPU (~0.1 s per 145 MB snapshot here) is thus charged to neither side.
+later, with the discard of the blocks retention freed, and unflushed that work would land in the bare
+window. The writeback's own kernel CPU is thus charged to neither side (docs/benchmarks.md "How the
+train bench's anchor is measured" has the figures behind each of these choices).
 The best windows' ratio is printed beside it.
 """
 
@@ -37,11 +34,11 @@ from typing import Any
 
 import torch
 
-from swarmnode.bench.quality import QualityRun, add_quality
+from swarmnode.bench.procs import NodeProcess, Worker, wait_until
+from swarmnode.bench.quality_sim import QualityRun, add_quality
 from swarmnode.bench.runner import BenchResult, load_note, median, trained_run
-from swarmnode.bench.worker import answer_requests, say
+from swarmnode.bench.worker_lines import answer_requests, say
 from swarmnode.core.model import configure_determinism
-from swarmnode.util.procs import NodeProcess, Worker, wait_until
 from swarmnode.util.threads import TrainingThread
 
 BATCH_SIZE = 8

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from swarmnode.bench import netbed
 from swarmnode.bench.netbed import NetBed
+from swarmnode.bench.procs import NodeProcess, samples, stop_all, wait_until
 from swarmnode.bench.runner import BenchResult, load_note
 from swarmnode.core.data import default_corpus
 from swarmnode.core.ledger import read_ledger
@@ -44,13 +45,12 @@ from swarmnode.core.model import GPT, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.swarm import codecs
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.procs import NodeProcess, samples, stop_all, wait_until
 
 WIRE = "bf16"
 DEFAULT_INNER_STEPS = {"tiny": 40, "small": 100}
 """H per model: `small` at the quality bench's H (100); per-round costs that are not communication (the
-held-out loss after each step, the hot snapshot each round's announcement needs) weigh 3.3× more at
-H=30 (README "On a capped network": both)."""
+held-out loss after each step, the hot snapshot each round's announcement needs) weigh more at small H
+(docs/benchmarks.md "On a capped network" has both)."""
 _ROUND_LINE = re.compile(r"round (\d+): averaged with (\d+) members in ([0-9.]+) s")
 
 

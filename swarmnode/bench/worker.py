@@ -5,8 +5,8 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 - `serve [SNAPSHOT_FILE]`: a raw TCP sender on loopback (each connection sends an 8-byte little-endian
   length first: 0 asks for the file, n > 0 for n bytes from memory) and, given a file, a real gRPC
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
-- `quality`: says `{"quality": true}`; each request is a `quality.SideJob` as JSON: it trains that side
-  of the quality comparison (`quality.train_side`) and answers its held-out curve (`Curve` as JSON).
+- `quality`: says `{"quality": true}`; each request is a `quality_sim.SideJob` as JSON: it trains that side
+  of the quality comparison (`quality_sim.train_side`) and answers its held-out curve (`Curve` as JSON).
 - `bare-train PRESET THREADS WARMUP_STEPS`: the train bench's anchor (`train.bare_train`): trains
   WARMUP_STEPS untimed, says `{"bare": true}`; a request `{"steps": n}` trains n more and answers
   their seconds.
@@ -25,20 +25,22 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from swarmnode.bench.quality_sim import SideJob, train_side
+from swarmnode.bench.train import bare_train
+from swarmnode.bench.worker_lines import answer_requests, say
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.net.bulk import BulkListener
 from swarmnode.net.identity import Identity
@@ -49,22 +51,6 @@ from swarmnode.swarm.allreduce import AveragingServicer, GroupSpec, butterfly_al
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust
 
 GLOO_TIMEOUT = timedelta(seconds=300)
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-
-def say(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-async def answer_requests(handle: Handler) -> None:
-    """Answers each stdin line with `handle`'s reply until stdin closes."""
-    while line := await asyncio.to_thread(sys.stdin.readline):
-        try:
-            reply = await handle(json.loads(line))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the bench
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        say(reply)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,8 +259,6 @@ async def gloo(rank: int, world: int, port: int) -> None:
 
 
 async def quality() -> None:
-    from swarmnode.bench.quality import SideJob, train_side
-
     say({"quality": True})
 
     async def train(request: dict[str, Any]) -> dict[str, Any]:
@@ -295,8 +279,6 @@ def main(argv: list[str]) -> None:
     elif role == "quality":
         asyncio.run(quality())
     elif role == "bare-train":
-        from swarmnode.bench.train import bare_train
-
         asyncio.run(bare_train(args[0], int(args[1]), int(args[2])))
     else:
         raise SystemExit(f"unknown role {role!r}")

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from swarmnode.cli.units import duration, percent, rate, size
 from swarmnode.core.ledger import check_dirs, cross_check
 from swarmnode.net.rpc import NodeStatus, PeerUnavailable, client_security
 from swarmnode.net.snapshot_client import fetch_snapshot, get_status
@@ -76,27 +77,31 @@ def refusal_line(command: str, address: str, exc: PeerUnavailable) -> str:
 
 
 def format_status(status: NodeStatus) -> str:
-    """A node's status as a few human-readable lines."""
+    """A node's status as a few human-readable lines, figures rounded and with their units (`--json`
+    has them exact)."""
     loss = "-" if status.last_loss is None else f"{status.last_loss:.4f}"
     cur = status.cursor
-    cursor = "-" if cur is None else f"shard {cur.shard} epoch {cur.epoch} position {cur.position}"
+    cursor = "-" if cur is None else f"shard {cur.shard} epoch {cur.epoch} position {cur.position:,}"
     lines = [
-        f"node {status.node_id}  run {status.run_id}  phase {status.phase}  up {status.uptime_s:.0f} s",
-        f"step outer {status.outer_step} inner {status.inner_step}  loss {loss}  "
-        f"{status.tokens_per_s:.0f} tokens/s",
-        f"cursor {cursor}  peers {status.peers}  digest {status.global_digest or '-'}",
+        f"node {status.node_id}  run {status.run_id}  phase {status.phase}  up {duration(status.uptime_s)}",
+        f"step outer {status.outer_step} inner {status.inner_step:,}  loss {loss}  "
+        f"{rate(status.tokens_per_s, 'tokens')}",
+        f"cursor {cursor}  peers {status.peers}  digest {status.global_digest[:12] or '-'}",
     ]
     if status.reachability:
         lines.append(f"reachability {status.reachability}")
     if status.snapshot_error:
         lines.append(f"WARNING: {status.snapshot_error}")
     if status.last_group:
+        coverage = "-" if status.last_coverage is None else percent(status.last_coverage)
+        took = "-" if status.last_allreduce_s is None else duration(status.last_allreduce_s)
         lines.append(
-            f"last round: group of {len(status.last_group)}, coverage {status.last_coverage}, "
-            f"all-reduce {status.last_allreduce_s} s, repairs {status.repairs}"
+            f"last round: group of {len(status.last_group)}, coverage {coverage}, all-reduce {took}, "
+            f"repairs {status.repairs}"
         )
     lines += [
-        f"snapshot {m.snapshot_id} {m.kind} outer {m.outer_step} inner {m.inner_step} {m.size_bytes} bytes"
+        f"snapshot {m.snapshot_id[:12]} {m.kind} outer {m.outer_step} inner {m.inner_step:,} "
+        f"{size(m.size_bytes)}"
         for m in status.snapshots
     ]
     return "\n".join(lines)

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from swarmnode.bench.procs import LOOPBACK_ARGS, NodeProcess, stop_all, wait_until
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header
 from swarmnode.swarm.recovery import read_receipts
-from swarmnode.util.procs import LOOPBACK_ARGS, NodeProcess, stop_all, wait_until
 
 NODE_ARGS = (
     "--model",

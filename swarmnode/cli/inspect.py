@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -9,13 +10,15 @@ from typing import Any
 
 import torch
 
+from swarmnode.cli.units import size
 from swarmnode.snapshot.format import SnapshotError, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot, verify_snapshot
 from swarmnode.snapshot.write import write_safetensors
 
 
-def inspect_command(path: Path, as_json: bool) -> int:
-    """Print a snapshot's metadata and tensor table after checking its hash; exit 1 on a bad file."""
+def inspect_command(path: Path, as_json: bool, list_tensors: bool = False) -> int:
+    """Print a snapshot's summary after checking its hash (`list_tensors`: every tensor too; `as_json`:
+    everything, metadata and tensors, as JSON); exit 1 on a bad file."""
     parsed = parse_snapshot_name(path.name)
     expected = parsed[3] if parsed else None
     try:
@@ -46,25 +49,64 @@ def inspect_command(path: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps(report, indent=1))
     else:
-        _print_report(report)
+        print("\n".join(summary_lines(report)))
+        if list_tensors:
+            print("\n".join(tensor_lines(report["tensors"])))
     return 0
 
 
-def _print_report(report: dict[str, Any]) -> None:
-    print(f"file        {report['file']}")
-    print(f"snapshot id {report['snapshot_id']}  ({report['hash_check']})")
+SUMMARY_FIELDS = ("kind", "run_id", "node_id", "model", "outer_step", "inner_step", "tokens")
+"""The metadata a summary shows, in this order; the rest is in `--json`."""
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """What `inspect` prints by default: the file, its check, its size and the training state's gist."""
+    meta = report["metadata"]
     ratio = report["size_bytes"] / max(report["raw_bytes"], 1)
-    print(
-        f"size        {report['size_bytes']:,} bytes compressed, {report['raw_bytes']:,} raw "
-        f"(ratio {ratio:.3f}), layout {report['layout']}"
-    )
-    for key, value in sorted(report["metadata"].items()):
-        print(f"  {key:<14} {json.dumps(value)}")
-    print(f"{len(report['tensors'])} tensors:")
-    width = max((len(t["name"]) for t in report["tensors"]), default=4)
-    for t in report["tensors"]:
+    lines = [
+        f"file         {report['file']}",
+        f"snapshot id  {report['snapshot_id']} ({report['hash_check']})",
+        f"size         {size(report['size_bytes'])} compressed, {size(report['raw_bytes'])} raw "
+        f"(ratio {ratio:.3f}), layout {report['layout']}",
+    ]
+    lines += [f"{name:<12} {meta[name]}" for name in SUMMARY_FIELDS if name in meta]
+    if isinstance(meta.get("created_at"), int | float):
+        when = datetime.datetime.fromtimestamp(meta["created_at"], datetime.UTC)
+        lines.append(f"created      {when:%Y-%m-%d %H:%M:%S} UTC")
+    losses = [f"{name} {meta[name]:.4f}" for name in ("last_loss", "heldout_loss") if _number(meta.get(name))]
+    if losses:
+        lines.append("loss         " + ", ".join(losses))
+    lines.append("tensors      " + _tensor_groups(report["tensors"]) + " (--tensors: each)")
+    hidden = len(set(meta) - set(SUMMARY_FIELDS) - {"created_at", "last_loss", "heldout_loss"})
+    lines.append(f"metadata     {hidden} more fields (--json shows everything)")
+    return lines
+
+
+def tensor_lines(tensors: list[dict[str, Any]]) -> list[str]:
+    """`--tensors`: one line per tensor: name, dtype, shape, bytes, how it is stored."""
+    width = max((len(t["name"]) for t in tensors), default=4)
+    lines = [f"{len(tensors)} tensors:"]
+    for t in tensors:
         shape = str(t["shape"])
-        print(f"  {t['name']:<{width}}  {t['dtype']:<4} {shape:<16} {t['bytes']:>12,}  {t['stored_as']}")
+        lines.append(
+            f"  {t['name']:<{width}}  {t['dtype']:<4} {shape:<16} {t['bytes']:>12,}  {t['stored_as']}"
+        )
+    return lines
+
+
+def _tensor_groups(tensors: list[dict[str, Any]]) -> str:
+    """ "141 in model/ 40 (4.1 MB), …": the tensors counted by their name's first part."""
+    groups: dict[str, list[int]] = {}
+    for t in tensors:
+        count_bytes = groups.setdefault(t["name"].split("/", 1)[0] + "/", [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += t["bytes"]
+    parts = [f"{prefix} {n} ({size(total)})" for prefix, (n, total) in groups.items()]
+    return f"{len(tensors)}: " + ", ".join(parts)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def export_command(path: Path, out: Path, local: bool) -> int:

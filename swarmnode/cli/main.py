@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from swarmnode.core.presets import MODEL_PRESETS
-from swarmnode.node.config import FLAG_BY_FIELD, build_run_parser, load_config, parse_flag
+from swarmnode.node.config import FLAG_BY_FIELD, RUN_USAGE, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
 from swarmnode.util.errors import ConfigError, StateNotSaved
 
@@ -37,32 +37,46 @@ def build_parser() -> argparse.ArgumentParser:
     build_run_parser(
         sub.add_parser(
             "run",
+            usage=RUN_USAGE,
             help="run one swarm node until stopped",
             description="Run one swarm node. Every flag also reads SWARMNODE_<NAME> "
             "from the environment; precedence: flag > env > --config file.",
         )
     )
     status = sub.add_parser("status", help="a node's live state")
-    status.add_argument("address", metavar="HOST:GRPC_PORT")
+    status.add_argument("address", metavar="HOST:GRPC_PORT", help="the node's gRPC address")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     fetch = sub.add_parser("fetch", help="fetch a node's snapshot, verified against its sha256")
-    fetch.add_argument("address", metavar="HOST:GRPC_PORT")
-    fetch.add_argument("--snapshot", default="latest", metavar="ID|latest")
-    fetch.add_argument("--out", required=True, type=Path, metavar="FILE")
+    fetch.add_argument("address", metavar="HOST:GRPC_PORT", help="the node's gRPC address")
+    fetch.add_argument(
+        "--snapshot",
+        default="latest",
+        metavar="ID|latest",
+        help="the snapshot's id (its sha256, as `status` lists them; default: the node's newest)",
+    )
+    fetch.add_argument(
+        "--out", required=True, type=Path, metavar="FILE", help="where to keep it, once its sha256 matches"
+    )
     for client in (status, fetch):
         _add_client_security(client)
-    inspect = sub.add_parser("inspect", help="metadata, tensor table and hash check of a snapshot file")
-    inspect.add_argument("file", type=Path)
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect = sub.add_parser(
+        "inspect", help="a snapshot file's summary and hash check (exit 1 on a bad file)"
+    )
+    inspect.add_argument("file", type=Path, help="a snapshot file (*.snap.zst)")
+    inspect.add_argument("--tensors", action="store_true", help="list every tensor: dtype, shape, bytes")
+    inspect.add_argument("--json", action="store_true", help="everything, metadata and tensors, as JSON")
     export = sub.add_parser("export", help="write a snapshot's weights as a plain safetensors file")
-    export.add_argument("file", type=Path)
-    export.add_argument("--out", required=True, type=Path, metavar="FILE")
+    export.add_argument("file", type=Path, help="a snapshot file (*.snap.zst)")
+    export.add_argument(
+        "--out", required=True, type=Path, metavar="FILE", help="the safetensors file to write"
+    )
     export.add_argument(
         "--local",
         action="store_true",
         help="export the node's local weights instead of the swarm's global params",
     )
-    sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery (~1 min)")
+    sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery")
+    _add_identity_parser(sub)
     ledger = sub.add_parser("ledger", help="the receipts ledgers of nodes")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=OneLineParser)
     check = ledger_sub.add_parser(
@@ -74,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot", help="draw nodes' training loss, held-out loss and tokens/s over time into a PNG"
     )
     plot.add_argument("dirs", nargs="+", type=Path, metavar="DATA_DIR", help="a node's --data-dir")
-    plot.add_argument("--out", required=True, type=Path, metavar="FILE.png")
+    plot.add_argument("--out", required=True, type=Path, metavar="FILE.png", help="the PNG to write")
     bench = sub.add_parser(
         "bench", help="measure this machine: each figure a ratio against a same-run anchor"
     )
@@ -83,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan"],
         help="which benchmark",
     )
-    bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
+    bench.add_argument(
+        "--model", choices=MODEL_PRESETS, default="small", help="the GPT preset measured (default: small)"
+    )
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument(
         "--rounds",
@@ -142,6 +158,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_identity_parser(sub: Any) -> None:
+    identity = sub.add_parser(
+        "identity",
+        help="print the node id (creating its key if needed); write a TLS certificate request naming it",
+        description="Print the node id of DATA_DIR/identity.key (or --identity), creating the key as "
+        "`swarmnode run` would. With --csr, also write a certificate signing request whose common name "
+        "is that id: with --tls-ca a node's certificate must name its id.",
+    )
+    identity.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="the node's data dir (as `run`'s, env SWARMNODE_DATA_DIR too)",
+    )
+    identity.add_argument(
+        "--identity", type=Path, metavar="FILE", help="the node's key file (default: DIR/identity.key)"
+    )
+    identity.add_argument("--csr", type=Path, metavar="FILE", help="write a PEM certificate request here")
+    identity.add_argument(
+        "--tls-key",
+        type=Path,
+        metavar="FILE",
+        help="PEM key the certificate is for (EC, RSA or Ed25519; created as EC P-256 when absent; "
+        "default: --csr FILE with the suffix .key)",
+    )
+    identity.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a host name or address peers dial, as a subject alternative name (repeatable)",
+    )
+
+
 def _counts(text: str) -> tuple[int, ...]:
     """`--nodes`: one count or a comma-separated list of them."""
     try:
@@ -158,6 +208,12 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
     for name in CLIENT_SECURITY_FIELDS:
         flag = FLAG_BY_FIELD[name]
         parser.add_argument(flag.option, dest=name, metavar=flag.metavar, help=f"{flag.help}; env {flag.env}")
+
+
+def _identity_path(args: argparse.Namespace) -> Path:
+    """The key file `swarmnode run` would use with these flags and this environment."""
+    values = {name: getattr(args, name) for name in ("data_dir", "identity")}
+    return load_config(values, os.environ, None).identity_path
 
 
 def _configure_client(args: argparse.Namespace) -> None:
@@ -211,7 +267,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from swarmnode.cli.inspect import inspect_command
 
-        return inspect_command(args.file, as_json=args.json)
+        return inspect_command(args.file, as_json=args.json, list_tensors=args.tensors)
     if args.command == "export":
         from swarmnode.cli.inspect import export_command
 
@@ -235,6 +291,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from swarmnode.cli.plot import plot_command
 
         return plot_command(args.dirs, args.out)
+    if args.command == "identity":
+        from swarmnode.cli.identity import identity_command
+
+        return _checked(identity_command, _identity_path(args), args.csr, args.tls_key, tuple(args.name))
     if args.command == "demo":
         from swarmnode.cli.demo import run_demo
 
@@ -253,10 +313,12 @@ def _run(args: argparse.Namespace) -> int:
     fault_spec = os.environ.get("SWARMNODE_FAULTS")
     _checked(faults.parse, fault_spec or "")
     from swarmnode.node.daemon import build_parts, run_node
-    from swarmnode.node.startup import preflight
+    from swarmnode.node.startup import exposure_warning, preflight
 
     if args.dry_run:  # every start-up check a real start makes, and nothing created
         _checked(preflight, cfg)
+        if (warning := exposure_warning(cfg)) is not None:
+            print(f"swarmnode run: warning: {warning}", file=sys.stderr)
         print(json.dumps(cfg.redacted(), indent=2, sort_keys=True))
         return 0
     faults.configure(fault_spec)

@@ -89,7 +89,7 @@ def plot_command(dirs: list[Path], out: Path) -> int:
 
 
 def draw(nodes: list[NodeSeries], out: Path) -> list[str]:
-    from swarmnode.util.plotting import new_figure, save_png
+    from swarmnode.bench.plotting import new_figure, save_png
 
     figure, axes = new_figure(rows=len(PANELS), height=3.0)
     start = min(ts for n in nodes for points in n.points.values() for ts, _ in points[:1])

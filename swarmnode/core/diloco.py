@@ -39,9 +39,8 @@ class DilocoConfig:
     """Outer Nesterov momentum (paper default)."""
     outer_mix: float = 0.3
     """α of the merge that ends an outer step, θ ← α·θ + (1 − α)·θ_g' (Streaming DiLoCo's mixing
-    factor, §2.2): the share of its own local params a worker keeps. 0 is DiLoCo's θ ← θ_g'; with it
-    DiLoCo ended 3.7–5% lower in held-out loss in `swarmnode bench quality`, and 0.3 (the default)
-    1.7% lower than 0.5 at its default 80 rounds (README "Model quality").
+    factor, §2.2): the share of its own local params a worker keeps. 0 is DiLoCo's θ ← θ_g'; the default
+    0.3 ended lowest in held-out loss in `swarmnode bench quality` (docs/benchmarks.md "The merge").
     With --overlap the same merge lands the overlap's own steps on top (`outer_step_overlapped`)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only."""
@@ -202,12 +201,12 @@ class DilocoTrainer:
 
     @torch.no_grad()
     def outer_step_overlapped(self, averaged: AveragedDelta) -> None:
-        """The outer step of a round whose inner phase has gone on while its all-reduce ran (README:
-        overlapped outer step). Δ_r = θ_g − θ_r is this round's `pseudo_gradient()` (θ_r: the local
-        params when the round ended; nothing takes Δ again before its step is applied), never what was
-        sent for it (a poisoned copy, under the test faults); θ has since moved on to θ_r + δ. θ_g takes
-        the same Nesterov step as in `outer_step`, and θ lands where the blocking step would have put
-        θ_r, plus δ (α = `outer_mix`):
+        """The outer step of a round whose inner phase has gone on while its all-reduce ran
+        (docs/design.md "Overlapped outer step"). Δ_r = θ_g − θ_r is this round's `pseudo_gradient()`
+        (θ_r: the local params when the round ended; nothing takes Δ again before its step is applied),
+        never what was sent for it (a poisoned copy, under the test faults); θ has since moved on to
+        θ_r + δ. θ_g takes the same Nesterov step as in `outer_step`, and θ lands where the blocking step
+        would have put θ_r, plus δ (α = `outer_mix`):
             θ ← θ + (1 − α)·(θ_g' − θ_r)   on covered ranges whose average holds our Δ
                                             (θ = α·θ_r + (1 − α)·θ_g' + δ),
             θ ← θ + (θ_g' − θ_g)            on carried ranges (θ_g' − Δ_r + δ: our work stays local),

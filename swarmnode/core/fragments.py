@@ -28,7 +28,7 @@ The price: a fragment is a band of consecutive layers, not layers strided across
 The fragment a round takes is a function of the swarm's round counter (the outer step), which every
 snapshot keeps, so a restored or repaired node resumes at the exact place in the schedule.
 
-Failure semantics (README "Fragments"): the members agree on the global digest (all of θ_g) after
+Failure semantics (docs/design.md "Fragments"): the members agree on the global digest (all of θ_g) after
 every fragment's step; snapshots are taken only where no round is in flight; a fragment round opens
 and settles its ledger range as a blocking round does. A node that dies or repairs from a peer
 restarts from θ_g everywhere at its last averaged round's cursor: its work on the other fragments

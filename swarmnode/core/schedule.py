@@ -25,9 +25,9 @@ class LrSchedule(StrEnum):
 LR_SCHEDULES = tuple(LrSchedule)
 DEFAULT_FINAL_FRACTION = 0.0
 """Where a cosine ends by default, as a fraction of the peak: zero, as in "Straight to Zero" (Bergsma
-et al. 2025). In `swarmnode bench quality` (tiny, 4 workers, H=100, 80 rounds) it took DiLoCo from
-1.1002 to 1.0740 held-out loss and DP from 1.0581 to 1.0427 against Chinchilla's and nanoGPT's 10%
-(README "Model quality"). A run that goes on past its cosine's end learns nothing more at zero."""
+et al. 2025): in `swarmnode bench quality` it beat Chinchilla's and nanoGPT's 10% for every side
+(docs/benchmarks.md "The cosine's floor"). A run that goes on past its cosine's end learns nothing more at
+zero."""
 
 
 @dataclass(frozen=True)

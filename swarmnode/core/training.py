@@ -116,6 +116,9 @@ class RunIdentity:
     run_digest: str
     corpus_digest: str
     model: str
+    settings: str = ""
+    """The settings the run digest hashes, as canonical JSON (`run_settings`): what a peer of another
+    configuration is told differs."""
 
 
 def run_digest(
@@ -128,6 +131,29 @@ def run_digest(
     corpus_digest: str,
 ) -> str:
     """Hash of everything that must agree across a run's nodes for their outer steps to be one."""
+    return digest_of_settings(
+        run_settings(model_name, model_cfg, seq_len, num_shards, seed, diloco, corpus_digest)
+    )
+
+
+def digest_of_settings(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(settings_json(settings).encode()).hexdigest()
+
+
+def settings_json(settings: dict[str, Any]) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def run_settings(
+    model_name: str,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    num_shards: int,
+    seed: int,
+    diloco: DilocoConfig,
+    corpus_digest: str,
+) -> dict[str, Any]:
+    """Everything that must agree across a run's nodes for their outer steps to be one."""
     agreed = {
         "model": model_name,
         "model_cfg": asdict(model_cfg),
@@ -147,7 +173,46 @@ def run_digest(
         agreed["round_tokens"] = diloco.round_tokens
     if diloco.outer_mix:  # (absent at 0, DiLoCo's own θ ← θ_g, so such runs keep their digest)
         agreed["outer_mix"] = diloco.outer_mix
-    return hashlib.sha256(json.dumps(agreed, sort_keys=True).encode()).hexdigest()
+    return agreed
+
+
+MAX_SETTINGS_BYTES = 16 * 1024
+"""The most of a peer's settings JSON read (a peer's answer is untrusted; ours is a few hundred bytes)."""
+MAX_DIFFERENCES = 8
+
+
+def settings_differences(ours: str, theirs: str) -> list[str]:
+    """What differs between two nodes' run settings (`RunIdentity.settings`), one "name: theirs X, ours
+    Y" each, nested settings named with dots (`model_cfg.n_layer`); at most MAX_DIFFERENCES, then a
+    count. ValueError when `theirs` is not a JSON object of bounded size."""
+    if len(theirs) > MAX_SETTINGS_BYTES:
+        raise ValueError(f"settings of {len(theirs)} bytes, over {MAX_SETTINGS_BYTES}")
+    mine, other = _flat(json.loads(ours)), _flat(json.loads(theirs))
+    names = sorted(set(mine) | set(other))
+    lines = [
+        f"{name}: theirs {_shown(other.get(name))}, ours {_shown(mine.get(name))}"
+        for name in names
+        if mine.get(name) != other.get(name)
+    ]
+    if len(lines) > MAX_DIFFERENCES:
+        lines = [*lines[:MAX_DIFFERENCES], f"and {len(lines) - MAX_DIFFERENCES} more"]
+    return lines
+
+
+def _flat(settings: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(settings, dict):
+        if prefix:
+            return {prefix: settings}
+        raise ValueError("settings are not a JSON object")
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _shown(value: Any) -> str:
+    text = "(none)" if value is None else json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class TrainingRun:

@@ -1,13 +1,11 @@
 """The bulk lane: plain TCP connections beside gRPC that carry an all-reduce part's bytes and its
-average (averaging.proto, `Exchange`; README "The swarm").
+average (averaging.proto, `Exchange`; docs/design.md "The swarm").
 
 gRPC stays the control plane: the call's header is admitted (and its signature checked) there, and
 the reducer's answer names a port and a one-time ticket. The sender connects, writes the ticket, and
 then only raw bytes travel: no protobuf framing, no HTTP/2 frames, no copies in or out of messages,
-each byte received straight into the buffer it ends in (`receive_into`). For a 43 MB pseudo-gradient
-among 4 processes on this 2-core machine the lanes took the all-reduce from 3.45x torch.distributed
-gloo's time to 2.4-2.7x, and with buffers reused from round to round to 1.1-1.4x (README
-"Performance").
+each byte received straight into the buffer it ends in (`receive_into`); docs/benchmarks.md "How the
+all-reduce's costs divide" has what that saves.
 
 A ticket binds a connection to the one admitted call that offered it: 16 random bytes, unknown to
 anyone who did not read that call's metadata. A connection whose first 16 bytes are not a pending

@@ -1,4 +1,4 @@
-"""Signed DHT records and the store that holds them (README "The swarm"); no network here.
+"""Signed DHT records and the store that holds them (docs/design.md "The swarm"); no network here.
 
 What it promises:
 

@@ -45,7 +45,7 @@ id claimed elsewhere is held at the claimer's address until the old address answ
 swarm's datagrams can be replayed by an on-path observer (answers match only our own pending msg ids); a
 node joining from the same IP as an ongoing flood of strangers may be throttled until it ends; and
 kademlia's ``RoutingTable.add_contact`` still pings a full bucket's head with a fire-and-forget future.
-- client mode (``SwarmProtocol.client_mode``, a node peers cannot reach: README "Behind NAT"), as
+- client mode (``SwarmProtocol.client_mode``, a node peers cannot reach: docs/design.md "Behind NAT"), as
   Kademlia's and hivemind's client nodes: its requests name no node id (nil where the sender's id goes),
   so no receiver schedules it for verification or puts it in a routing table, and it answers no
   requests; it still bootstraps, crawls, stores and looks up through others. Anonymous requests are
@@ -659,6 +659,13 @@ class SwarmProtocol(KademliaProtocol):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def idle(self) -> None:
+        """Wait until every task this protocol has started (verification pings and what they lead to,
+        hand-offs) has ended, those they start included. A request's sender is scheduled for
+        verification before the request is answered, so after an answer this covers its verification."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
 
     async def aclose(self) -> None:
         """Cancel our tasks and answer every outstanding request with a failure."""

@@ -26,8 +26,8 @@ from swarmnode.util.labels import FetchFailure
 from swarmnode.util.validate import parse_host_port
 
 CHUNK_BYTES = 1 << 20
-"""Data bytes per stream message: the measured sweet spot for protobuf streams (1 MiB: 2.0-2.2 GB/s on
-loopback, vs 0.5 at 64 KiB and ~0.95 at 4 MiB)."""
+"""Data bytes per stream message: the fastest size for protobuf streams (docs/benchmarks.md "Component
+measurements")."""
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES + 64 * 1024
 """Largest message either side sends or accepts; leaves room for larger averaging parts later."""
 SNAPSHOT_SERVICE = "swarmnode.v1.SnapshotService"
@@ -128,9 +128,11 @@ class NodeStatus:
     last_allreduce_s: float | None = None
     repairs: int = 0
     reachability: str = ""
-    """"reachable" or "client" (README "Behind NAT"); "" from an older node."""
+    """"reachable" or "client" (docs/design.md "Behind NAT"); "" from an older node."""
     snapshot_error: str = ""
     """"" while the node's snapshots are written; else why its newest state is not on disk."""
+    run_settings: str = ""
+    """The settings its run digest hashes, as JSON (`training.run_settings`); "" from an older node."""
 
 
 def meta_to_pb(meta: SnapshotMeta | SnapshotInfo) -> pb.SnapshotMeta:
@@ -165,6 +167,7 @@ _OPTIONAL_STATUS_FIELDS = ("last_loss", "last_coverage", "last_allreduce_s")
 _PLAIN_STATUS_FIELDS = (
     *("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step"),
     *("tokens_per_s", "peers", "global_digest", "repairs", "reachability", "snapshot_error"),
+    "run_settings",
 )
 
 

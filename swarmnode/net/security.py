@@ -1,5 +1,5 @@
 """Who may talk to a node: optional TLS for gRPC, mutual TLS with the swarm's CA, and a swarm token on
-every RPC (README "Trust" has the threat model).
+every RPC (docs/design.md "Trust" has the threat model).
 
 - `--swarm-token`: every RPC must carry it (metadata `x-swarmnode-token`); a call without it, or with
   another, ends UNAUTHENTICATED before any handler runs. It is compared in constant time and never
@@ -25,6 +25,8 @@ import functools
 import hashlib
 import hmac
 import inspect
+import ipaddress
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any
 import grpc
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from swarmnode.util.validate import is_node_id_hex
@@ -112,12 +114,7 @@ class Security:
             cert = x509.load_pem_x509_certificate(self.tls_cert)
         except ValueError as exc:
             raise ValueError(f"--tls-cert: not a PEM certificate: {exc}") from None
-        try:
-            key = serialization.load_pem_private_key(self.tls_key, password=None)
-        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-            raise ValueError(f"--tls-key: not an unencrypted PEM private key: {exc}") from None
-        if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey):
-            raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+        _load_tls_key(self.tls_key)
         return cert
 
     def dht_namespace(self, run_id: str) -> str:
@@ -135,6 +132,55 @@ class Security:
         if not self.token:
             return None
         return hmac.new(self.token.encode(), b"swarmnode/dht-datagram-key/v1", hashlib.sha256).digest()
+
+
+def certificate_request(node_id: str, key_path: Path, names: tuple[str, ...] = ()) -> bytes:
+    """A PEM certificate signing request whose subject CN is `node_id` (what mutual TLS requires of a
+    node's certificate: `check_node_certificate`), signed with the TLS key at `key_path`: an EC, RSA or
+    Ed25519 PEM key there, or a new EC P-256 key written there (mode 0600). `names` (host names or IP
+    addresses peers dial) become its subject alternative names. ValueError for a key file that is not
+    an unencrypted PEM key of those types."""
+    key = _tls_key(key_path)
+    builder = x509.CertificateSigningRequestBuilder().subject_name(
+        x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, node_id)])
+    )
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), False)
+    algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+    return builder.sign(key, algorithm).public_bytes(serialization.Encoding.PEM)
+
+
+def _tls_key(path: Path) -> TlsKey:
+    if not path.exists():
+        key = ec.generate_private_key(ec.SECP256R1())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(pem)
+        return key
+    return _load_tls_key(path.read_bytes())
+
+
+TlsKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
+"""The TLS key types a node accepts."""
+
+
+def _load_tls_key(pem: bytes) -> TlsKey:
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise ValueError(f"--tls-key: not an unencrypted PEM private key: {exc}") from None
+    if not isinstance(key, TlsKey):
+        raise ValueError("--tls-key: only EC, RSA and Ed25519 keys are supported")
+    return key
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
 
 
 def _read(path: Path | None, flag: str) -> bytes | None:

@@ -3,13 +3,9 @@
 
 The client streams a snapshot into a temporary file next to its destination while hashing it, resumes
 a broken stream from the bytes it has, and keeps the file only when its sha256 equals the snapshot id
-the peer announced.
-
-Measured on the 2-core dev VM, 512 MiB over loopback, server in another process (medians of 7):
-- The client hashes and writes on a worker thread per chunk. Doing it on the loop was ~15% faster
-  on 2 cores (0.58 vs 0.50 GB/s) but lets a slow disk stall the loop, which the event loop must never allow.
-- Fetch end to end (sha256 + write to tmpfs): ~0.5 GB/s; raw TCP sendfile -> recv_into -> write:
-  ~1.8 GB/s, ~0.83 GB/s when it also hashes. Stream transport alone: ~1.0 GB/s vs 2.3-2.6 raw.
+the peer announced. It hashes and writes on a worker thread per chunk: on the loop it would be a little
+faster, but a slow disk would stall the loop, which the event loop must never allow (docs/benchmarks.md
+"Component measurements" has the figures).
 """
 
 from __future__ import annotations

@@ -3,18 +3,14 @@
 The server runs on the node's event loop (`grpc.aio`) and serves only complete snapshots that its
 catalog lists; file reads happen on a reader thread, never on the loop.
 
-Measured on the 2-core dev VM, 512 MiB over loopback, server in another process (medians of 7):
-- The server sends data chunks pre-encoded in protobuf wire format (`encode_data_chunk`, built on
-  the reader thread) instead of building and serialising a `FetchSnapshotChunk`: 0.34 s of server
-  CPU per 512 MiB instead of 0.96 s. Clients see the generated message; nothing else changes.
-- A reader thread per stream (4 chunks ahead) and `asyncio.to_thread` per chunk are within noise
-  (0.53 vs 0.46 GB/s end to end); the thread lets a test fault block without holding the pool.
+The server sends data chunks pre-encoded in protobuf wire format (`encode_data_chunk`, built on the
+reader thread) instead of building and serialising a `FetchSnapshotChunk`, a third of the server's CPU;
+clients see the generated message. A reader thread per stream (4 chunks ahead) lets a test fault block
+without holding the pool. docs/benchmarks.md "Component measurements" has the figures.
 
-A peer that stops reading cannot pin a serving slot (`StreamLimits`). Measured on loopback (1 MiB
-chunks, grpcio 1.85, 5 runs each): a client that reads one message and then stops lets 6-7 more
-chunk writes complete (its HTTP/2 windows, grown by BDP probing, plus the socket buffers; up to 19 in
-a bare gRPC server), then the next `context.write` blocks; one that first read 150 MiB at full speed,
-4-5; one with BDP probing off, none. The windows never grew without bound, so a stall shows as a write
+A peer that stops reading cannot pin a serving slot (`StreamLimits`). A client that stops reading lets
+a few more chunk writes complete (its HTTP/2 windows, grown by BDP probing, plus the socket buffers),
+then the next `context.write` blocks. The windows never grew without bound, so a stall shows as a write
 that does not complete and no channel option is needed; the total-time bound covers a peer whose
 window is large or that reads just enough. So each write runs under `asyncio.timeout` (an async
 generator's `yield` cannot be bounded: gRPC sends outside it). A stalled stream ends

@@ -1,8 +1,8 @@
 """Node configuration: one frozen dataclass, filled from defaults < TOML file < SWARMNODE_* env < flags.
 
-Every field of `NodeConfig` is one `swarmnode run` flag (the README's flag table), listed once in
-`FLAGS`, so the parser, the environment twins, the TOML keys, `--help` and the README table cannot drift
-apart.
+Every field of `NodeConfig` is one `swarmnode run` flag, listed once in `FLAGS` with its group, so the
+parser, the environment twins, the TOML keys, `--help` and docs/configuration.md (generated from `FLAGS`
+by `python -m swarmnode.node.flag_reference`) cannot drift apart.
 Bad values raise `ConfigError` (a ValueError) whose message names the flag and the value; the CLI prints
 it as one line and exits 2.
 """
@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
+from swarmnode.node import flag_values
 from swarmnode.snapshot.format import LAYOUTS
-from swarmnode.swarm.grouping import MIN_GROUP_SIZE
 from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
 from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
-from swarmnode.swarm.wire import MAX_GROUP_SIZE, MAX_TIMEOUT_S, WIRE_DTYPES
+from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
-from swarmnode.util.validate import parse_host_port
 
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
@@ -201,123 +200,46 @@ def _check_schedule(cfg: NodeConfig) -> None:
     _ = cfg.inner_schedule  # its end past its warm-up, or ConfigError
 
 
-# ----- value parsers: each returns the value or raises ValueError with the reason -----
+class FlagGroup(StrEnum):
+    """What a user is doing when they reach for a flag: the sections of `run --help` and of
+    docs/configuration.md, in this order (the common flags first)."""
+
+    COMMON = "common"
+    NETWORK = "network"
+    TRAINING = "training"
+    SNAPSHOTS = "snapshots"
+    SWARM = "swarm"
+    TRUST = "trust"
+    OBSERVABILITY = "observability"
+
+    @property
+    def summary(self) -> str:
+        return FLAG_GROUP_SUMMARIES[self]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be a positive integer")
-    return value
-
-
-def _group_size(text: str) -> int:
-    value = int(text)
-    if not MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE:
-        raise ValueError(f"must be in {MIN_GROUP_SIZE}..{MAX_GROUP_SIZE}")
-    return value
-
-
-MAX_RECOVERY_PEERS = 16
-
-
-def _recovery_peers(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_RECOVERY_PEERS:
-        raise ValueError(f"must be in 1..{MAX_RECOVERY_PEERS}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be ≥ 0")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a port number 0-65535 (0 = pick a free port)")
-    return value
-
-
-def _bulk_port(text: str) -> int | None:
-    if text == "off":
-        return None
-    try:
-        return _port(text)
-    except ValueError:
-        raise ValueError("must be a port number 0-65535 (0 = pick a free port) or off") from None
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError("must be a positive number")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError("must be between 0 and 1")
-    return value
-
-
-def _mix(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise ValueError("must be at least 0 and below 1")
-    return value
-
-
-def _peer_list(text: str) -> tuple[str, ...]:
-    peers = tuple(p.strip() for p in text.split(",") if p.strip())
-    for peer in peers:
-        parse_host_port(peer)
-    return peers
-
-
-def _host(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise ValueError("must be a host name or IP address")
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        if not all(part.replace("-", "").replace("_", "").isalnum() for part in text.split(".")):
-            raise ValueError("must be a host name or IP address") from None
-    return text
-
-
-def _run_id(text: str) -> str:
-    if not text or len(text) > 64 or not all(c.isalnum() or c in "-_." for c in text):
-        raise ValueError("must be 1-64 characters of letters, digits, '-', '_' or '.'")
-    return text
-
-
-def _zstd_level(text: str) -> int:
-    value = int(text)
-    if not -7 <= value <= 19:
-        raise ValueError("must be a zstd level between -7 and 19")
-    return value
-
-
-def _non_empty(text: str) -> str:
-    if not text:
-        raise ValueError("must not be empty")
-    return text
+FLAG_GROUP_SUMMARIES = {
+    FlagGroup.COMMON: "the flags most runs set",
+    FlagGroup.NETWORK: "where the node listens and how peers reach it",
+    FlagGroup.TRAINING: "the model's inner and outer optimisation, the data's shards",
+    FlagGroup.SNAPSHOTS: "hot and cold snapshots, retention, serving them to peers",
+    FlagGroup.SWARM: "starting together, matchmaking, the all-reduce",
+    FlagGroup.TRUST: "identity, TLS, the swarm token, robust aggregation",
+    FlagGroup.OBSERVABILITY: "metrics, logs and progress lines",
+}
 
 
 @dataclass(frozen=True)
 class Flag:
-    """One `swarmnode run` option: its field, parser, help, and the issue it lands with."""
+    """One `swarmnode run` option: its field, parser, one-line help, its group in `--help` and the docs,
+    and `details` (docs/configuration.md only) for what the one line leaves out."""
 
     field: str
     parse: Callable[[str], Any]
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    group: FlagGroup | None = None
+    details: str = ""
 
     @property
     def option(self) -> str:
@@ -332,119 +254,204 @@ class Flag:
 OVERLAP_CHOICES = ("off", "on")
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError("must be one of " + "|".join(choices))
-        return text
-
-    return parse
-
-
 FLAGS: tuple[Flag, ...] = (
     Flag(
         "peers",
-        _peer_list,
+        flag_values.peer_list,
         "comma-separated HOST:DHT_PORT of peers to bootstrap from; host names "
         "are resolved; none: this node starts a new swarm",
         metavar="HOST:PORT[,...]",
+        group=FlagGroup.COMMON,
     ),
-    Flag("run_id", _run_id, "the training run this node joins; nodes only swarm within one run id"),
-    Flag("data_dir", Path, "directory for snapshots, identity key, receipts and logs"),
-    Flag("host", _host, "address to listen on (gRPC, DHT, metrics)"),
+    Flag(
+        "run_id",
+        flag_values.run_id,
+        "the training run this node joins; nodes only swarm within one run id",
+        group=FlagGroup.COMMON,
+    ),
+    Flag(
+        "data_dir", Path, "directory for snapshots, identity key, receipts and logs", group=FlagGroup.COMMON
+    ),
+    Flag("host", flag_values.host, "address to listen on (gRPC, DHT, metrics)", group=FlagGroup.NETWORK),
     Flag(
         "advertise_host",
-        _host,
+        flag_values.host,
         "address peers should use to reach this node (default: --host, or "
         "127.0.0.1 when listening on all interfaces)",
+        group=FlagGroup.NETWORK,
     ),
-    Flag("grpc_port", _port, "gRPC port for snapshots, status and averaging (0 = pick a free port)"),
-    Flag("dht_port", _port, "UDP port of the Kademlia DHT (0 = pick a free port)"),
-    Flag("metrics_port", _port, "Prometheus /metrics port (0 = pick a free port)"),
+    Flag(
+        "grpc_port",
+        flag_values.port,
+        "gRPC port for snapshots, status and averaging (0 = pick a free port)",
+        group=FlagGroup.NETWORK,
+    ),
+    Flag(
+        "dht_port",
+        flag_values.port,
+        "UDP port of the Kademlia DHT (0 = pick a free port)",
+        group=FlagGroup.NETWORK,
+    ),
+    Flag(
+        "metrics_port",
+        flag_values.port,
+        "Prometheus /metrics port (0 = pick a free port)",
+        group=FlagGroup.OBSERVABILITY,
+    ),
     Flag(
         "bulk_port",
-        _bulk_port,
+        flag_values.bulk_port,
         "TCP port of the all-reduce's bulk lane, beside gRPC on plaintext swarms (0 = pick a free "
         "port; off = every byte over gRPC); a peer that cannot reach it uses gRPC",
+        group=FlagGroup.NETWORK,
     ),
     Flag(
         "model",
-        _choice(MODEL_PRESETS),
+        flag_values.choice(MODEL_PRESETS),
         "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
         choices=MODEL_PRESETS,
+        group=FlagGroup.COMMON,
     ),
     Flag(
         "data",
-        _non_empty,
+        flag_values.non_empty,
         "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
         "directory (bytes); default: the Python standard library's own sources",
         metavar="PATH",
+        group=FlagGroup.COMMON,
     ),
-    Flag("device", _choice(DEVICES), "where to train; auto picks cuda when available", choices=DEVICES),
-    Flag("threads", _positive_int, "CPU threads for torch (default: torch's own choice)"),
+    Flag(
+        "device",
+        flag_values.choice(DEVICES),
+        "where to train; auto picks cuda when available",
+        choices=DEVICES,
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "threads",
+        flag_values.positive_int,
+        "CPU threads for torch (default: torch's own choice)",
+        group=FlagGroup.TRAINING,
+    ),
     Flag(
         "inner_steps",
-        _positive_int,
+        flag_values.positive_int,
         "H: the most inner AdamW steps per round (with --fragments K: per fragment; a round is H/K)",
+        details=(
+            "With `--fragments K`, H counts the steps between two outer steps of one fragment; a round is "
+            "then about H/K steps."
+        ),
+        group=FlagGroup.TRAINING,
     ),
     Flag(
         "inner_seconds",
-        _positive_float,
+        flag_values.positive_float,
         "optional time box of a round's inner phase, for slow volunteers (makes runs non-deterministic)",
         metavar="SECONDS",
+        group=FlagGroup.TRAINING,
     ),
-    Flag("inner_lr", _positive_float, "inner AdamW learning rate (the schedule's peak)"),
+    Flag(
+        "inner_lr",
+        flag_values.positive_float,
+        "inner AdamW learning rate (the schedule's peak)",
+        group=FlagGroup.TRAINING,
+    ),
     Flag(
         "lr_schedule",
-        _choice(LR_SCHEDULES),
+        flag_values.choice(LR_SCHEDULES),
         "inner learning-rate schedule after the warm-up: constant, or cosine down to --final-lr-fraction of "
         "the peak at --total-steps",
         choices=LR_SCHEDULES,
+        group=FlagGroup.TRAINING,
     ),
-    Flag("inner_warmup_steps", _non_negative_int, "inner steps of linear learning-rate warm-up"),
+    Flag(
+        "inner_warmup_steps",
+        flag_values.non_negative_int,
+        "inner steps of linear learning-rate warm-up",
+        group=FlagGroup.TRAINING,
+    ),
     Flag(
         "total_steps",
-        _positive_int,
+        flag_values.positive_int,
         "inner steps the cosine schedule spans (default: --max-outer-steps × --inner-steps / --fragments; "
         "must agree across the run)",
+        details="Give it explicitly in a swarm: every member must use the same value.",
+        group=FlagGroup.TRAINING,
     ),
     Flag(
         "final_lr_fraction",
-        _fraction,
+        flag_values.fraction,
         "where a cosine schedule ends, as a fraction of the peak (0: straight to zero; held after "
         "--total-steps; must agree across the run)",
         metavar="F",
+        group=FlagGroup.TRAINING,
     ),
-    Flag("outer_lr", _positive_float, "outer SGD (Nesterov) learning rate"),
-    Flag("outer_momentum", _fraction, "outer Nesterov momentum"),
+    Flag(
+        "outer_lr", flag_values.positive_float, "outer SGD (Nesterov) learning rate", group=FlagGroup.TRAINING
+    ),
+    Flag("outer_momentum", flag_values.fraction, "outer Nesterov momentum", group=FlagGroup.TRAINING),
     Flag(
         "outer_mix",
-        _mix,
+        flag_values.mix,
         "α of the merge after each outer step, θ ← α·θ + (1−α)·θ_global (Streaming DiLoCo's mixing "
         "factor); 0: DiLoCo's θ ← θ_global",
+        details='The default 0.3 ended lowest in `swarmnode bench quality` (docs/benchmarks.md "The merge").',
+        group=FlagGroup.TRAINING,
     ),
-    Flag("batch_size", _positive_int, "sequences per inner step"),
-    Flag("seq_len", _positive_int, "tokens per sequence (at most the preset's context)"),
-    Flag("num_shards", _positive_int, "shards the training data is cut into (must agree across the run)"),
-    Flag("shard", _non_negative_int, "this node's shard (default: chosen from the node id)"),
-    Flag("hot_every", _positive_int, "inner steps between hot (speculative, background) snapshots"),
-    Flag("cold_every", _positive_int, "outer steps between cold (fsynced, kept longer) snapshots"),
-    Flag("keep_hot", _positive_int, "hot snapshots kept on disk"),
-    Flag("keep_cold", _positive_int, "cold snapshots kept on disk"),
+    Flag("batch_size", flag_values.positive_int, "sequences per inner step", group=FlagGroup.TRAINING),
+    Flag(
+        "seq_len",
+        flag_values.positive_int,
+        "tokens per sequence (at most the preset's context)",
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "num_shards",
+        flag_values.positive_int,
+        "shards the training data is cut into (must agree across the run)",
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "shard",
+        flag_values.non_negative_int,
+        "this node's shard (default: chosen from the node id)",
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "hot_every",
+        flag_values.positive_int,
+        "inner steps between hot (speculative, background) snapshots",
+        group=FlagGroup.SNAPSHOTS,
+    ),
+    Flag(
+        "cold_every",
+        flag_values.positive_int,
+        "outer steps between cold (fsynced, kept longer) snapshots",
+        group=FlagGroup.SNAPSHOTS,
+    ),
+    Flag("keep_hot", flag_values.positive_int, "hot snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
+    Flag("keep_cold", flag_values.positive_int, "cold snapshots kept on disk", group=FlagGroup.SNAPSHOTS),
     Flag(
         "layout",
-        _choice(LAYOUTS),
+        flag_values.choice(LAYOUTS),
         "snapshot tensor layout: planes (byte planes, smaller) or plain "
         "(zstd -d gives an ordinary safetensors file)",
         choices=LAYOUTS,
+        group=FlagGroup.SNAPSHOTS,
     ),
-    Flag("hot_level", _zstd_level, "zstd level of hot snapshots"),
-    Flag("cold_level", _zstd_level, "zstd level of cold snapshots"),
-    Flag("max_outer_steps", _positive_int, "stop after this many outer steps (default: run until stopped)"),
+    Flag("hot_level", flag_values.zstd_level, "zstd level of hot snapshots", group=FlagGroup.SNAPSHOTS),
+    Flag("cold_level", flag_values.zstd_level, "zstd level of cold snapshots", group=FlagGroup.SNAPSHOTS),
+    Flag(
+        "max_outer_steps",
+        flag_values.positive_int,
+        "stop after this many outer steps (default: run until stopped)",
+        group=FlagGroup.COMMON,
+    ),
     Flag(
         "seed",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "seed of the model's initialisation and data order (must agree across the run)",
+        group=FlagGroup.TRAINING,
     ),
     Flag(
         "identity",
@@ -452,125 +459,237 @@ FLAGS: tuple[Flag, ...] = (
         "the node's Ed25519 key file (default: DATA_DIR/identity.key, so wiping "
         "snapshots keeps the identity)",
         metavar="FILE",
+        group=FlagGroup.TRUST,
     ),
-    Flag("log_format", _choice(LOG_FORMATS), "log and progress output: text or json", choices=LOG_FORMATS),
-    Flag("progress_interval_s", _positive_float, "seconds between progress lines", metavar="SECONDS"),
+    Flag(
+        "log_format",
+        flag_values.choice(LOG_FORMATS),
+        "log and progress output: text or json",
+        choices=LOG_FORMATS,
+        group=FlagGroup.OBSERVABILITY,
+    ),
+    Flag(
+        "progress_interval_s",
+        flag_values.positive_float,
+        "seconds between progress lines",
+        metavar="SECONDS",
+        group=FlagGroup.OBSERVABILITY,
+    ),
     Flag(
         "wait_peers",
-        _non_negative_int,
+        flag_values.non_negative_int,
         "before training, wait until this many other members of the run are known, clients included "
         "(a swarm that starts together)",
+        details=(
+            "Counts the members that published their presence in the DHT, reachable nodes and clients alike."
+        ),
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "wait_peers_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "--wait-peers waits at most this long, then the node trains with the members it found and says so",
         metavar="SECONDS",
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "max_serving",
-        _positive_int,
+        flag_values.positive_int,
         "most concurrent snapshot streams served; the next gets RESOURCE_EXHAUSTED",
+        group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "max_serving_per_peer",
-        _positive_int,
+        flag_values.positive_int,
         "most concurrent snapshot streams served to one host (all of loopback is one host)",
+        details="With mutual TLS a peer is the node id of its client certificate, else its host.",
+        group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "recovery_peers",
-        _recovery_peers,
+        flag_values.recovery_peers,
         "K: a recovering node fetches the swarm's shared state (global params, outer momentum) as "
         "verified ranges from up to K peers at once; 1: one whole snapshot from one peer",
+        details=(
+            "1-16. The inner moments come from one of the agreeing peers "
+            '(docs/design.md "Recovery from many peers").'
+        ),
+        group=FlagGroup.SNAPSHOTS,
     ),
     Flag(
         "matchmaking_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "seconds to wait for partners before an outer step goes on alone",
         metavar="SECONDS",
+        details="At most 600 s.",
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "allreduce_timeout_s",
-        _positive_float,
+        flag_values.positive_float,
         "seconds an all-reduce may take before late parts are left out",
         metavar="SECONDS",
+        details="At most 600 s; a proposed group with a longer budget is refused.",
+        group=FlagGroup.SWARM,
     ),
-    Flag("wire_dtype", _choice(WIRE_DTYPES), "dtype of pseudo-gradients on the wire", choices=WIRE_DTYPES),
+    Flag(
+        "wire_dtype",
+        flag_values.choice(WIRE_DTYPES),
+        "dtype of pseudo-gradients on the wire",
+        choices=WIRE_DTYPES,
+        group=FlagGroup.SWARM,
+    ),
     Flag(
         "max_norm_ratio",
-        _positive_float,
+        flag_values.positive_float,
         "a contribution whose norm is over this many times its part's median is left out of the average",
         metavar="RATIO",
+        details=(
+            'The ratio is to the lower median of the part\'s contribution norms (docs/design.md "Trust").'
+        ),
+        group=FlagGroup.TRUST,
     ),
     Flag(
         "min_coverage",
-        _fraction,
+        flag_values.fraction,
         "below this averaged fraction of the pseudo-gradient the outer step is skipped (local progress kept)",
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "reachable",
-        _choice(REACHABLE_SETTINGS),
+        flag_values.choice(REACHABLE_SETTINGS),
         "whether peers can dial this node: auto asks peers to dial it back; no: a client behind NAT "
         "(trains and averages, never reduces or serves)",
         choices=REACHABLE_SETTINGS,
+        group=FlagGroup.NETWORK,
     ),
     Flag(
         "group_size",
-        _group_size,
+        flag_values.group_size,
         "most members of one averaging group: a round this node leads with more members averages in "
         "groups of this size, then among their leaders (an exact two-level average)",
+        details='2-256. docs/benchmarks.md "A swarm of N nodes" has the measurement behind the default.',
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "overlap",
-        _choice(OVERLAP_CHOICES),
+        flag_values.choice(OVERLAP_CHOICES),
         "on: a round's all-reduce runs while the next inner phase trains, its outer step applied when "
-        "it arrives (README: overlapped outer step)",
+        "it arrives",
         choices=OVERLAP_CHOICES,
+        details=(
+            'docs/design.md "Overlapped outer step" has the maths and why snapshots wait for the landing.'
+        ),
+        group=FlagGroup.SWARM,
     ),
     Flag(
         "fragments",
-        _positive_int,
+        flag_values.positive_int,
         "K: Δ cut into K equal flat ranges synchronised in turn, one per round of H/K inner steps (rounded "
-        "down or up in turn when K does not divide H), so each all-reduce sends 1/K of Δ (README: "
-        "fragments); at most --inner-steps; must agree across the run",
+        "down or up in turn when K does not divide H), so each all-reduce sends 1/K of Δ; at most "
+        "--inner-steps; must agree across the run",
+        details=(
+            "Round r ends at inner step ⌊(r+1)·H/K⌋, so the peak bandwidth drops K×. K is part of the run "
+            "digest; `--max-outer-steps`, `--cold-every` and `--inner-seconds` then count or time these "
+            'fragment rounds (docs/design.md "Fragments").'
+        ),
+        group=FlagGroup.SWARM,
     ),
-    Flag("tls_cert", Path, "PEM certificate for gRPC TLS (with --tls-key)", metavar="FILE"),
-    Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE"),
-    Flag("tls_ca", Path, "PEM CA bundle: peers must present a certificate it signed", metavar="FILE"),
-    Flag("swarm_token", _non_empty, "shared secret every RPC must carry (never logged)", metavar="TOKEN"),
+    Flag(
+        "tls_cert",
+        Path,
+        "PEM certificate for gRPC TLS (with --tls-key)",
+        metavar="FILE",
+        group=FlagGroup.TRUST,
+    ),
+    Flag("tls_key", Path, "PEM private key for gRPC TLS", metavar="FILE", group=FlagGroup.TRUST),
+    Flag(
+        "tls_ca",
+        Path,
+        "PEM CA bundle: peers must present a certificate it signed",
+        metavar="FILE",
+        details=(
+            "Mutual TLS: the CA is checked in the TLS handshake, and a node's own certificate must then name "
+            "its node id as its common name (`swarmnode identity` prints it and writes a CSR)."
+        ),
+        group=FlagGroup.TRUST,
+    ),
+    Flag(
+        "swarm_token",
+        flag_values.non_empty,
+        "shared secret every RPC must carry (never logged)",
+        metavar="TOKEN",
+        group=FlagGroup.TRUST,
+    ),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
+_METAVARS: dict[Callable[[str], Any], str] = {
+    flag_values.positive_int: "N",
+    flag_values.non_negative_int: "N",
+    flag_values.group_size: "N",
+    flag_values.recovery_peers: "K",
+    flag_values.port: "PORT",
+    flag_values.bulk_port: "PORT|off",
+    flag_values.positive_float: "X",
+    flag_values.fraction: "F",
+    flag_values.mix: "F",
+    flag_values.host: "HOST",
+    flag_values.run_id: "NAME",
+    flag_values.zstd_level: "LEVEL",
+    Path: "DIR",
+}
 assert set(FLAG_BY_FIELD) == {f.name for f in dataclasses.fields(NodeConfig)}
 
 
+RUN_USAGE = "swarmnode run [--peers HOST:PORT[,...]] [--model NAME] [--data PATH] [options]"
+
+
 def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every NodeConfig flag (default None, so lower layers show through) plus --config/--dry-run."""
-    parser.add_argument(
+    """Add every NodeConfig flag (default None, so lower layers show through) plus --config/--dry-run,
+    in argument groups (FlagGroup) with the common flags first."""
+    sections = {group: parser.add_argument_group(group.value, group.summary) for group in FlagGroup}
+    common = sections[FlagGroup.COMMON]
+    common.add_argument(
         "--config",
         type=Path,
         metavar="FILE",
         help="TOML file of flag values (keys as flag names, e.g. inner-steps = 100)",
     )
-    parser.add_argument(
+    common.add_argument(
         "--dry-run",
         action="store_true",
         help="run every start-up check (creating nothing), print the configuration as JSON and exit",
     )
+    ungrouped = parser.add_argument_group("other")
     for flag in FLAGS:
         # The values are checked by `parse_flag` (so that a flag, its variable and its TOML key fail
         # alike), not by argparse: the metavar shows the choices.
-        metavar = "{" + ",".join(flag.choices) + "}" if flag.choices else flag.metavar
-        parser.add_argument(
-            flag.option, dest=flag.field, default=None, metavar=metavar, help=_help_text(flag)
+        section = sections[flag.group] if flag.group is not None else ungrouped
+        section.add_argument(
+            flag.option, dest=flag.field, default=None, metavar=metavar(flag), help=help_text(flag)
         )
     return parser
 
 
-def _help_text(flag: Flag) -> str:
-    """The flag's help, its default (unless the help says it, or it is a secret) and its variable."""
-    default = NodeConfig.__dataclass_fields__[flag.field].default
-    shown = "" if "default:" in flag.help or flag.field == "swarm_token" else f" (default: {_show(default)})"
-    return f"{flag.help}{shown}; env {flag.env}"
+def help_text(flag: Flag) -> str:
+    """The flag's help and its default (unless the help says it, or it is a secret). Its variable is
+    not repeated: the parser's description says every flag has one (SWARMNODE_<NAME>)."""
+    shown = (
+        "" if "default:" in flag.help or flag.field == "swarm_token" else f" (default: {default_text(flag)})"
+    )
+    return f"{flag.help}{shown}"
+
+
+def default_text(flag: Flag) -> str:
+    """The flag's default as a person reads it ("none" where there is none)."""
+    return _show(NodeConfig.__dataclass_fields__[flag.field].default)
+
+
+def metavar(flag: Flag) -> str:
+    """What `--help` shows for the flag's value: its choices, its own metavar, or its kind."""
+    if flag.choices:
+        return "{" + ",".join(flag.choices) + "}"
+    return flag.metavar or _METAVARS.get(flag.parse, "VALUE")
 
 
 def _show(value: Any) -> str:

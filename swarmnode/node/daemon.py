@@ -25,7 +25,14 @@ from swarmnode.core.data import ShardLoader, shard_for_node
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
-from swarmnode.core.training import RoundStart, RunIdentity, TrainingRun, run_digest
+from swarmnode.core.training import (
+    RoundStart,
+    RunIdentity,
+    TrainingRun,
+    digest_of_settings,
+    run_settings,
+    settings_json,
+)
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
@@ -34,7 +41,13 @@ from swarmnode.node.overlap import OverlappedRounds
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.node.round_loop import BlockingRounds
 from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
-from swarmnode.node.startup import FreshDataDir, StartChecks, lock_data_dir, preflight
+from swarmnode.node.startup import (
+    FreshDataDir,
+    StartChecks,
+    exposure_warning,
+    lock_data_dir,
+    preflight,
+)
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.swarm.joining import peer_fetcher, restore_at_start
@@ -82,6 +95,8 @@ def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
     """The start-up checks, then the data dir's lock, then the pieces (ValueError: exit 2). A failure
     after the checks leaves the data dir as it was (`FreshDataDir`)."""
     checked = preflight(cfg)
+    if (warning := exposure_warning(cfg)) is not None:
+        logger.warning("%s", warning)
     fresh = FreshDataDir.note(cfg)
     lock = lock_data_dir(cfg.data_dir)
     try:
@@ -110,10 +125,18 @@ def _assemble(
         round_tokens=cfg.round_tokens,
     )
     corpus_digest = checked.corpus.digest
-    digest = run_digest(
+    settings = run_settings(
         cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
     )
-    run_identity = RunIdentity(cfg.run_id, identity.node_id_hex, digest, corpus_digest, cfg.model)
+    run_identity = RunIdentity(
+        cfg.run_id,
+        identity.node_id_hex,
+        digest_of_settings(settings),
+        corpus_digest,
+        cfg.model,
+        settings_json(settings),
+    )
+    digest = run_identity.run_digest
     run = TrainingRun(
         checked.model_cfg, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
     )
@@ -163,7 +186,8 @@ def _log_built(parts: NodeParts, corpus: str, tokens: int, shard: int) -> None:
 async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -> int:
     """Serve, recover, train rounds until done or stopped; returns the exit code."""
     rpc.configure_client(parts.security)
-    board = StatusBoard(parts.cfg.run_id, parts.run.identity.node_id, time.time())
+    identity = parts.run.identity
+    board = StatusBoard(identity.run_id, identity.node_id, time.time(), run_settings=identity.settings)
     training, ledger_thread = TrainingThread(), OwnedThread(LEDGER_THREAD)
     try:
         async with contextlib.AsyncExitStack() as stack:

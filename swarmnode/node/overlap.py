@@ -1,5 +1,5 @@
-"""`--overlap on`: the outer step of round r overlaps round r+1's inner phase (README: overlapped outer
-step; Streaming DiLoCo, Douillard et al. 2025, §2.2).
+"""`--overlap on`: the outer step of round r overlaps round r+1's inner phase (docs/design.md
+"Overlapped outer step"; Streaming DiLoCo, Douillard et al. 2025, §2.2).
 
 At the end of round r's inner phase the node takes Δ_r = θ_g − θ_r as before and starts the round's
 matchmaking and all-reduce on the event loop, while the training thread goes on with round r+1's

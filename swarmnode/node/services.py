@@ -1,10 +1,10 @@
 """The node's services and what they report.
 
 `start_services` starts the Prometheus endpoint, the gRPC server (snapshots, status, averaging, the
-dial-back probe) and the DHT (as a client when the node starts as one, README "Behind NAT"), and builds
-the round machinery and the reachability monitor on them; each service's stop goes on the caller's exit
-stack, so it runs on every way out. Once they listen, DATA_DIR/node.json tells scripts and tests the
-ports the node picked. `StatusBoard` answers the gRPC status call and fills the progress line.
+dial-back probe) and the DHT (as a client when the node starts as one, docs/design.md "Behind NAT"), and
+builds the round machinery and the reachability monitor on them; each service's stop goes on the caller's exit
+stack, so it runs on every way out. Once they listen, DATA_DIR/node.json tells scripts and tests the ports the
+node picked. `StatusBoard` answers the gRPC status call and fills the progress line.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ async def start_services(
 def _range_servicer(
     checkpointer: SpeculativeCheckpointer, metrics: Metrics, identity: Identity
 ) -> StateRangeServicer:
-    """The node's snapshots served as state ranges, the manifests signed by its identity (README
+    """The node's snapshots served as state ranges, the manifests signed by its identity (docs/design.md
     "Recovery from many peers")."""
     assert checkpointer.owner is not None
     source = SnapshotRanges(checkpointer.list_snapshots, checkpointer.owner.template)
@@ -391,6 +391,8 @@ class StatusBoard:
     """This node's mode now ("reachable" or "client")."""
     snapshot_error: Callable[[], str] = lambda: ""
     """Why the node's newest state is not on disk ("" while snapshots are written)."""
+    run_settings: str = ""
+    """What its run digest hashes (`RunIdentity.settings`), for peers of another configuration."""
 
     def status(self, sample: TrainingSample, peers: int) -> rpc.NodeStatus:
         """The gRPC status answer: the training thread's published sample and this board."""
@@ -408,6 +410,7 @@ class StatusBoard:
             global_digest=sample.global_digest,
             reachability=self.reachability(),
             snapshot_error=self.snapshot_error(),
+            run_settings=self.run_settings,
             **_round_status(self.last_round, self.repairs),
         )
 

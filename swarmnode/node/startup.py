@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import os
 import socket
 import tempfile
@@ -69,6 +70,26 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     # Every shard has the same length, so the node's own (not known before its key exists) builds too.
     ShardLoader(corpus, cfg.shard or 0, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
     return StartChecks(corpus, model_cfg, device, security)
+
+
+def exposure_warning(cfg: NodeConfig) -> str | None:
+    """One line when the node will serve beyond this machine (a `--host` that is not loopback) with
+    neither a swarm token nor TLS: anyone who reaches its ports can then read its whole training state
+    and join its averaging. None otherwise."""
+    if cfg.swarm_token is not None or cfg.tls_cert is not None or _loopback_only(cfg.host):
+        return None
+    return (
+        f"serving on {cfg.host} with neither --swarm-token nor --tls-cert: anyone who reaches this node's "
+        "ports can read its training state and join its averaging"
+    )
+
+
+def _loopback_only(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 def _check_writable_dir(directory: Path, flag: str, value: Path | None = None) -> None:

@@ -175,8 +175,8 @@ class _Job:
 
 def _copy_bytes(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """A single-threaded memcpy. torch's `copy_` forks and joins its intra-op threads for every tensor,
-    and on a loaded 2-core volunteer one descheduled thread then stalls every copy (measured: median
-    stall 78 ms with torch's 2 threads vs 37 ms single-threaded for the small preset under load)."""
+    and on a loaded 2-core volunteer one descheduled thread then stalls every copy (docs/benchmarks.md
+    "Component measurements": the staging copy)."""
     np.copyto(tensor_bytes(target), tensor_bytes(source))
     return target
 

@@ -1,4 +1,4 @@
-"""The snapshot file format (the contract; README "Snapshots" describes it for users).
+"""The snapshot file format (the contract; docs/design.md "Snapshots" describes it for users).
 
 A snapshot is one `*.snap.zst` file: zstd frames whose concatenated content is a safetensors container
 (8-byte little-endian header length, JSON header, raw tensor bytes). Tensors are named; everything else

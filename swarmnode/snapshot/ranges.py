@@ -1,5 +1,5 @@
-"""The training state as verifiable byte ranges, for recovery from many peers at once (README "Recovery
-from many peers").
+"""The training state as verifiable byte ranges, for recovery from many peers at once (docs/design.md
+"Recovery from many peers").
 
 After an agreed outer step every member of a lineage holds the same θ_g and outer momentum. Their bytes
 — the *shared part* — are laid out as one flat fp32 blob: every `global/<param>` tensor in the model's
@@ -16,7 +16,7 @@ which reads only names, dtypes and shapes of a template.
 
 On the wire a range travels as its raw bytes or, where that is smaller, as one zstd-1 frame of its four
 byte planes (`ZSTD_PLANES`: the snapshot's own "planes" trick applied to fp32 ranges: only the
-sign/exponent plane compresses, measured 3-5x, so θ_g, the momentum and the moments shrink ~1.2x). The
+sign/exponent plane compresses, so θ_g, the momentum and the moments shrink a little). The
 hashes are over the raw bytes, so the encoding is transport only; decoding is bounded by the range's
 size before the hash is checked.
 """
@@ -35,7 +35,8 @@ from swarmnode.snapshot.tensors import TensorTemplate
 HASH_BYTES = 32
 ROOT_TAG = b"swarmnode/state-ranges/v1"
 DEFAULT_RANGE_BYTES = 1 << 20
-"""1 MiB: the measured sweet spot of one protobuf message (README "Measured"), and fine-grained enough
+"""1 MiB: the fastest size of one protobuf message (docs/benchmarks.md "Component measurements"), and
+fine-grained enough
 that a slow peer's last range costs little; `small`'s shared part is 83 ranges, its hash list 2.6 KB."""
 MIN_RANGE_BYTES = 4 << 10
 MAX_RANGE_BYTES = 4 << 20
@@ -83,7 +84,7 @@ class RangeList:
 
     @classmethod
     def of(cls, data: bytes | memoryview, range_bytes: int = DEFAULT_RANGE_BYTES) -> RangeList:
-        """The range list of `data` (hashes every range: ~1.8 GB/s here, so call it off the loop)."""
+        """The range list of `data` (hashes every range, so call it off the loop)."""
         view = memoryview(data)
         hashes = tuple(
             hashlib.sha256(view[a : a + range_bytes]).digest() for a in range(0, len(view), range_bytes)
@@ -169,7 +170,7 @@ def node_layout(template: TensorTemplate) -> BlobLayout:
 
 def encode_range(data: bytes) -> EncodedRange:
     """(encoding, bytes) of one range for the wire: its byte planes in one zstd-1 frame when that is
-    smaller, else the raw bytes (~0.7 GB/s: call it off the event loop)."""
+    smaller, else the raw bytes (compression: call it off the event loop)."""
     if len(data) % PLANES:
         return RAW, data
     planes = np.frombuffer(data, dtype=np.uint8).reshape(-1, PLANES).T.copy()

@@ -192,8 +192,8 @@ def write_snapshot(
 
     `metadata` must hold outer_step, inner_step, run_id and node_id. `threads`: large byte planes are
     compressed as independent frames on this many threads while the calling thread hashes and writes
-    (one is fastest on 2 cores: 650-720 MB/s vs 560-600 with two). `on_halfway` is called once about
-    half-way through the tensor data (a fault-injection point for tests). `priority`: the compressing
+    (one is fastest on 2 cores: docs/benchmarks.md "Component measurements"). `on_halfway` is called once
+    about half-way through the tensor data (a fault-injection point for tests). `priority`: the compressing
     threads' (the checkpointer's background priority; None: the caller's).
     """
     metadata = dict(metadata, kind=kind, layout=layout, created_at=metadata.get("created_at", clock.now()))

@@ -2,7 +2,7 @@
 Moshpit SGD and hivemind's AllReduceRunner; the wire contract is averaging.proto).
 
 The flat Δ (n values) of each member is cut into one part per reducer: with every member reachable,
-N = len(members) parts, part k = [k·n/N, (k+1)·n/N); a client member (README "Behind NAT") reduces
+N = len(members) parts, part k = [k·n/N, (k+1)·n/N); a client member (docs/design.md "Behind NAT") reduces
 nothing and is never called, it only calls the reducers (`GroupSpec.part_range`).
 Member k reduces part k: every other member streams its part k to it (`Exchange`, one call per pair),
 it averages the contributions that arrived complete, weighted by tokens (fp32 accumulation), and sends

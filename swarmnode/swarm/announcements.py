@@ -1,7 +1,7 @@
 """What a node announces in the DHT about its snapshots, and how a reader checks what peers announced.
 
 Under `swarmnode/<run>/snapshots` each node keeps one signed entry (the DHT layer proves who wrote it):
-its advertised gRPC address (none for a client, which nobody can dial: README "Behind NAT"), its
+its advertised gRPC address (none for a client, which nobody can dial: docs/design.md "Behind NAT"), its
 reachability, its newest snapshot (id, size, steps, kind, created-at), its data cursor and
 its run digest. A signature only proves authorship: the content is still checked field by field when it
 is decoded (`Announcement.from_entry`), since a peer is never trusted.

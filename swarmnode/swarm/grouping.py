@@ -66,7 +66,7 @@ def group_bounds(members: int, group_size: int) -> list[int]:
 
 def can_group(members: list[Member], group_size: int) -> bool:
     """Whether a round of `members` can be cut into groups that each have a reachable leader: a client
-    member (README "Behind NAT") reduces nothing, so a group needs at least one reachable member."""
+    member (docs/design.md "Behind NAT") reduces nothing, so a group needs at least one reachable member."""
     groups = len(group_bounds(len(members), group_size)) - 1
     return sum(m.reachable for m in members) >= groups
 

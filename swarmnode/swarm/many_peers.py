@@ -1,4 +1,4 @@
-"""Recovery's fetch from many peers at once (README "Recovery from many peers").
+"""Recovery's fetch from many peers at once (docs/design.md "Recovery from many peers").
 
 Given the peers that announced snapshots at one outer step, it asks up to `2K` of them for their range
 manifests (snapshot/ranges.py, net/state_ranges.py), takes each only when signed by the node whose
@@ -57,10 +57,9 @@ AGREEMENT_GRACE_S = 3.0
 """Once two peers agree on a root, how much longer the other manifests are waited for."""
 HEAD_START_S = 1.0
 """How long the freshest peer (whose node part is the long pole) has to itself, reading its snapshot into
-ranges, before the others are asked too: on one busy machine their reads would slow its own (`small`,
-capped bed on 2 cores: 1.45-2.0 s until the first manifest with all three sources reading at once,
-0.4-0.8 s for the freshest alone); on separate machines it costs nothing, since they are asked as soon
-as it answers. A silent freshest peer costs this long."""
+ranges, before the others are asked too: on one busy machine their reads would slow its own
+(docs/benchmarks.md "Component measurements"); on separate machines it costs nothing, since they are asked as
+soon as it answers. A silent freshest peer costs this long."""
 
 
 class ManyPeersUnavailable(PeerFault):
@@ -186,8 +185,8 @@ class ManyPeerFetch:
         """The state at `outer_step` from the peers that announced it; ManyPeersUnavailable else."""
         started = time.perf_counter()
         at_step = self._at_step(peers, outer_step)
-        # Not zero-filled: that touched ~0.8x the state's pages before the first range was asked for
-        # (0.56 s for `small` on a busy 2-core node); the pages fault in as the ranges land.
+        # Not zero-filled: that touched most of the state's pages before the first range was asked for
+        # (docs/benchmarks.md "Component measurements"); the pages fault in as the ranges land.
         assembly = _Assembly(
             np.empty(self._shared.total_bytes, dtype=np.uint8),
             np.empty(self._node.total_bytes, dtype=np.uint8),

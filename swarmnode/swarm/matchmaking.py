@@ -1,4 +1,4 @@
-"""Forming a round's averaging group through the DHT (README "The swarm", Matchmaking).
+"""Forming a round's averaging group through the DHT (docs/design.md "The swarm", Matchmaking).
 
 A node that finished its inner phase publishes an offer for round r under `swarmnode/<run>/round`: its
 address, a deadline (now + --matchmaking-timeout), its run digest, the digest of its global params as of the
@@ -21,7 +21,7 @@ round). A node that still gets no proposal goes on alone for that round, and say
 than the leader's --group-size is proposed as one round spec that every member cuts into the same groups
 (`grouping.py`).
 
-Clients (README "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
+Clients (docs/design.md "Behind NAT"): a node that peers cannot dial offers with `reachable` false and no
 address. It is a member like any other (the leader waits for its offer in the DHT as for anyone's),
 but it never leads (the leader is the first-ranked *reachable* offer), it is never sent a proposal
 (it asks the leader for the frozen group, `AwaitGroup`), and it reduces no part (`GroupSpec`).
@@ -62,7 +62,7 @@ FOLLOWER_POLL_S = 1.0
 PROPOSE_TIMEOUT_S = 3.0
 FROZEN_GRACE_S = 1.0
 DEFAULT_GROUP_SIZE = 8
-"""--group-size's default (README "The swarm at scale" has the measurement behind it)."""
+"""--group-size's default (docs/design.md "The swarm at scale" has the measurement behind it)."""
 MAX_LEADER_FAILOVERS = 2
 """Leaders a round passes over when they send no proposal, before its members give it up."""
 MAX_PROPOSAL_READS = 2

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from swarmnode.core.training import RunIdentity
+from swarmnode.core.training import RunIdentity, settings_differences
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.net.dht import SwarmDHT
 from swarmnode.snapshot.format import SnapshotInfo
@@ -69,7 +69,7 @@ class Membership:
     ) -> None:
         """`uptime_s()`: how long this node has run; `on_duplicate` is told, once, when this running
         node turns out to be the younger of two with one identity; `reachable()`: this node's mode now
-        (a client announces no address, README "Behind NAT")."""
+        (a client announces no address, docs/design.md "Behind NAT")."""
         self.reachable = reachable
         self.dht, self.key, self.run, self.address = dht, snapshots_key(dht_run), run, address
         self.round_key = round_key(dht_run)
@@ -77,6 +77,7 @@ class Membership:
         self.stop, self.ahead_wait_s = stop, ahead_wait_s
         self.uptime_s, self.on_duplicate, self.channels = uptime_s, on_duplicate, channels
         self._warned: set[str] = set()
+        self._explaining: set[asyncio.Task[None]] = set()
         self._announce_task: asyncio.Task[None] | None = None
         self._probed: dict[str, float] = {}  # address -> when it was last probed (monotonic)
         self._probe_task: asyncio.Task[None] | None = None
@@ -258,15 +259,31 @@ class Membership:
     def _same_run(self, announcement: Announcement) -> bool:
         if announcement.run_digest == self.run.run_digest:
             return True
-        self._warn_once(
-            announcement.node_id,
-            "peer %s (%s) runs another configuration (run digest %s… vs ours %s…): not using it",
-            announcement.node_id[:12],
-            announcement.address,
-            announcement.run_digest[:12],
-            self.run.run_digest[:12],
-        )
+        if announcement.node_id not in self._warned:
+            self._warned.add(announcement.node_id)
+            task = asyncio.create_task(self._name_other_configuration(announcement))
+            self._explaining.add(task)
+            task.add_done_callback(self._explaining.discard)
         return False
+
+    async def _name_other_configuration(self, announcement: Announcement) -> None:
+        """Logs, once per peer, that it runs another configuration and which settings differ (asked of
+        the peer's status; by digest only when it cannot be asked or answers no settings)."""
+        differences: list[str] = []
+        if announcement.address and self.run.settings:
+            with contextlib.suppress(rpc.PeerUnavailable, ValueError):
+                status = await snapshot_client.get_status(
+                    announcement.address, IDENTITY_PROBE_TIMEOUT_S, self.channels
+                )
+                if status.node_id == announcement.node_id and status.run_settings:
+                    differences = settings_differences(self.run.settings, status.run_settings)
+        logger.warning(
+            "peer %s (%s) runs another configuration, not using it: %s",
+            announcement.node_id[:12],
+            announcement.address or "a client",
+            "; ".join(differences)
+            or f"run digest {announcement.run_digest[:12]}… vs ours {self.run.run_digest[:12]}…",
+        )
 
     # ----- deciding -----
 

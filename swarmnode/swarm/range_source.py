@@ -4,13 +4,12 @@ goes on the wire (compressed where smaller), with their range lists.
 
 The ranges are built only when a peer asks (recoveries are rare; a node that nobody asks holds nothing
 extra) on a worker thread that reads and verifies the snapshot file, never the live training state, so
-the training thread and the event loop are untouched (README "Who owns what"). One entry is held at a
-time — about 0.8× the training state for `small` (θ_g, outer momentum and the inner moments), less as
-ranges are sent compressed — and let go `HOLD_IDLE_S` after its last use. Concurrent first asks share
-one read. A snapshot that no longer reads (rotated out mid-read, or corrupt) is answered as "no
-snapshot at that step". Every snapshot of one outer step holds the same θ_g and momentum (they change
-only at outer steps), so a newer snapshot of that step replaces the node part's root but keeps serving
-the same shared root.
+the training thread and the event loop are untouched (docs/design.md "Who owns what"). One entry is
+held at a time — θ_g, the outer momentum and the inner moments, less as ranges are sent compressed — and let
+go `HOLD_IDLE_S` after its last use. Concurrent first asks share one read. A snapshot that no longer reads
+(rotated out mid-read, or corrupt) is answered as "no snapshot at that step". Every snapshot of one outer step
+holds the same θ_g and momentum (they change only at outer steps), so a newer snapshot of that step replaces
+the node part's root but keeps serving the same shared root.
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ HOLD_IDLE_S = 120.0
 
 class HeldRanges:
     """One snapshot's manifest and its ranges. Each range is encoded for the wire the first time it is
-    asked for (on a worker thread: ~7 ms per MiB, overlapping the transfer instead of delaying the
-    manifest by ~0.6 s for `small`), and the raw copy is then dropped. Only the event loop replaces an
-    entry; what a worker thread sees is immutable bytes."""
+    asked for (on a worker thread, overlapping the transfer instead of delaying the manifest), and the raw
+    copy is then dropped. Only the event loop replaces an entry; what a worker thread sees is immutable
+    bytes."""
 
     def __init__(self, manifest: RangeManifest, raw: dict[str, list[bytes]]) -> None:
         self.manifest = manifest

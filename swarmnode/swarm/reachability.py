@@ -1,4 +1,4 @@
-"""Whether peers can reach this node, and so which mode it runs in (README "Behind NAT").
+"""Whether peers can reach this node, and so which mode it runs in (docs/design.md "Behind NAT").
 
 `--reachable yes|no` fixes the mode; `auto` (the default) decides it by the dial-back probe
 (`net/dial_back.py`): the node asks up to `PROBERS` reachable peers to dial it back — those that say

@@ -378,7 +378,7 @@ class Recovery:
         carried by every snapshot: how far its batches are in θ_g) is exact and wins; without one (a
         node that never averaged with this lineage), the freshest of its own last announcement and its
         own snapshots' committed cursors (this run's only: the scan left other configurations out);
-        else afresh (see "Recovery and the data cursor" in the README)."""
+        else afresh (docs/design.md "The swarm": recovery on start)."""
         mine = self._lineage_cursor(lineage)
         if mine is not None:
             steps = (own.inner_step, 0) if own is not None else (0, 0)

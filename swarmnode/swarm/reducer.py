@@ -519,8 +519,9 @@ def robust_filter(
 
 
 def _finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite. A sum is NaN or ±inf if any value is, and is 10-15x cheaper than
-    `isfinite` (measured here); only a sum that overflowed from finite values needs the full check."""
+    """Whether every value is finite. A sum is NaN or ±inf if any value is, and is much cheaper than
+    `isfinite` (docs/benchmarks.md "Robust aggregation's bound"); only a sum that overflowed from finite
+    values needs the full check."""
     return bool(values.sum().isfinite()) or bool(torch.isfinite(values).all())
 
 

@@ -1,4 +1,4 @@
-"""Who is speaking in an all-reduce (README "Trust"): every contribution is bound to an authenticated
+"""Who is speaking in an all-reduce (docs/design.md "Trust"): every contribution is bound to an authenticated
 member, and every group to the leader that froze it.
 
 - With mutual TLS (`SenderProof.CERTIFICATE`) the reducer takes the sender from the connection: the
@@ -34,8 +34,8 @@ from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.labels import AveragingReject
 
 DEFAULT_MAX_NORM_RATIO = 8.0
-"""Default of --max-norm-ratio, the robust aggregation's bound (`reducer.robust_filter`; README
-"Trust" has the measurement it comes from)."""
+"""Default of --max-norm-ratio, the robust aggregation's bound (`reducer.robust_filter`;
+docs/benchmarks.md "Robust aggregation's bound" has the measurement it comes from)."""
 _HEADER_TAG = b"swarmnode/v1/contribution-header\x00"
 _CHUNK_TAG = b"swarmnode/v1/contribution-chunk\x00"
 _PROPOSAL_TAG = b"swarmnode/v1/group-proposal\x00"

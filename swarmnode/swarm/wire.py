@@ -1,4 +1,4 @@
-"""What the averaging service puts on the wire (see "The swarm" in the README and averaging.proto): the
+"""What the averaging service puts on the wire (docs/design.md "The swarm" and averaging.proto): the
 `Exchange` call's messages and the group spec in its protobuf and JSON forms. A part of n values
 travels as one byte image (its codecs are `codecs.py`), cut into chunks of at most `CHUNK_BYTES`.
 """
@@ -70,7 +70,7 @@ class Member:
     """The member's data cursor (`CURSOR_KEYS`) as of the round's start; None: unknown."""
     global_digest: str = ""
     reachable: bool = True
-    """False: a client member (README "Behind NAT"): it reduces nothing and nobody dials it, so its
+    """False: a client member (docs/design.md "Behind NAT"): it reduces nothing and nobody dials it, so its
     address may be empty."""
 
     def __post_init__(self) -> None:

@@ -2,8 +2,8 @@
 
 A snapshot write is background work on a volunteer's few cores, and on a CPU-only node both cores run
 the training's intra-op threads. At nice 10 the writer still took its share: every cycle it ran
-stalled a training thread, and the other one waited for it at the next barrier (measured on 2 cores:
-a hot snapshot every 50 steps cost the `small` node ~9% of its tokens/s). So background threads run
+stalled a training thread, and the other one waited for it at the next barrier (docs/benchmarks.md
+"How the train bench's anchor is measured" has what it cost). So background threads run
 under Linux's SCHED_IDLE, which gives them only CPU time no runnable normal thread wants; a waking
 training thread preempts them at once.
 

@@ -60,7 +60,7 @@ class DHTReject(StrEnum):
 
 
 class Reachability(StrEnum):
-    """Whether peers can open connections to a node (README "Behind NAT")."""
+    """Whether peers can open connections to a node (docs/design.md "Behind NAT")."""
 
     REACHABLE = "reachable"
     CLIENT = "client"

@@ -225,7 +225,7 @@ class Metrics:
         self.reachable.set(1 if mode == Reachability.REACHABLE else 0)
 
     def _scale_metrics(self, r: CollectorRegistry) -> None:
-        """What a round costs as the swarm grows (README "The swarm at scale")."""
+        """What a round costs as the swarm grows (docs/design.md "The swarm at scale")."""
         self.matchmaking_seconds = Histogram(
             "swarmnode_matchmaking_seconds",
             "Duration of a round's matchmaking, from the offer to the group (or none)",

@@ -1,6 +1,7 @@
-"""A volunteer behind NAT (README "Behind NAT"), on real network namespaces (`swarmnode.bench.netbed`):
-three reachable nodes on a bridge, and a fourth in a namespace behind a router that masquerades it
-(`iptables -t nat ... MASQUERADE`) and drops every connection from outside, counting each one.
+"""A volunteer behind NAT (docs/design.md "Behind NAT"), on real network namespaces
+(`swarmnode.bench.netbed`): three reachable nodes on a bridge, and a fourth in a namespace behind a router
+that masquerades it (`iptables -t nat ... MASQUERADE`) and drops every connection from outside, counting
+each one.
 
 The node behind NAT finds out by the dial-back probe that it cannot be reached, joins as a client,
 averages in every round (coverage 1, its contributions in every part, identical digests), never
@@ -83,7 +84,7 @@ def delta_length(node: NodeProcess) -> int:
 
 def metrics_inside(ns: Namespace, node: NodeProcess) -> str:
     """The node's metrics, read from inside the laptop's namespace (a call from outside would be a dial)."""
-    code = f"from swarmnode.util.procs import scrape; print(scrape({node.metrics_url!r}))"
+    code = f"from swarmnode.bench.procs import scrape; print(scrape({node.metrics_url!r}))"
     return ns.run([sys.executable, "-c", code], check=False).stdout  # "" until it serves
 
 

@@ -1,4 +1,4 @@
-"""Chaos cell: a flood of forged Kademlia pings against a running swarm (README "The swarm", DHT).
+"""Chaos cell: a flood of forged Kademlia pings against a running swarm (docs/design.md "The swarm", DHT).
 
 A three-node loopback swarm of real `swarmnode run` processes measures its round rate from the nodes'
 ledgers; then one UDP socket sends 2,000 pings from random node ids to every node's DHT port and never

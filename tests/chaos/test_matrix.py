@@ -4,7 +4,7 @@ one fault per cell injected at a chosen point through the fault hook, never a ti
 Every cell asserts: the others keep finishing rounds, the faulted node comes back (or is ruled out for
 rounds and rejoins), the global digests agree again within two rounds of its return, and every node's
 ledger replays (no batch counted twice or skipped, except rounds of a dead node, trained again).
-The cells marked `slow` run with `pytest -m slow tests/chaos` (see README "Reliability").
+The cells marked `slow` run with `pytest -m slow tests/chaos` (see docs/operations.md "Reliability").
 """
 
 from __future__ import annotations

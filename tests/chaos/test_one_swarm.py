@@ -9,8 +9,8 @@ import socket
 import time
 from pathlib import Path
 
+from swarmnode.bench.procs import free_port
 from swarmnode.core.ledger import read_ledger
-from swarmnode.util.procs import free_port
 from swarmtest import assert_ledgers_replay, metric_value, start_swarm, stop_all, wait_for
 
 SWARM = (

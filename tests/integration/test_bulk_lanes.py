@@ -25,6 +25,7 @@ from test_allreduce import (
     weighted_average,
 )
 
+from swarmnode.bench.procs import free_port
 from swarmnode.net import bulk, rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
@@ -32,7 +33,6 @@ from swarmnode.swarm import codecs, wire
 from swarmnode.swarm.allreduce import butterfly_allreduce
 from swarmnode.swarm.trust import AveragingTrust, SenderProof
 from swarmnode.swarm.wire import GroupSpec, Member
-from swarmnode.util.procs import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

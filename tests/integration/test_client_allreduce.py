@@ -1,4 +1,4 @@
-"""The butterfly all-reduce with client members (README "Behind NAT") over real gRPC on loopback: a
+"""The butterfly all-reduce with client members (docs/design.md "Behind NAT") over real gRPC on loopback: a
 client has no server at all here (nobody can dial it), sends its parts to the reducers and receives
 every average, and a swarm of clients with one reachable node averages through that node alone."""
 

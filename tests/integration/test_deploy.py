@@ -25,8 +25,8 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from swarmnode.bench.procs import free_port
 from swarmnode.util.metrics import Metrics
-from swarmnode.util.procs import free_port
 from swarmtest import start_swarm, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,10 +17,10 @@ from test_allreduce import NoSnapshots, run
 
 from swarmnode.bench import netbed
 from swarmnode.bench.netbed import NetBed
+from swarmnode.bench.procs import free_port
 from swarmnode.net import dial_back, rpc, snapshot_server
 from swarmnode.net.dial_back import DialBackServicer, ask_dial_back, observed_host
 from swarmnode.proto.v1 import reachability_pb2 as pb
-from swarmnode.util.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 CALLER = "ab" * 20

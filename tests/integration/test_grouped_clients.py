@@ -1,5 +1,5 @@
-"""A grouped round with client members (README "Behind NAT"): the clients' own parts are empty, and the
-round is still whole and applied by everyone (two_level_allreduce over real gRPC servers)."""
+"""A grouped round with client members (docs/design.md "Behind NAT"): the clients' own parts are empty, and
+the round is still whole and applied by everyone (two_level_allreduce over real gRPC servers)."""
 
 from __future__ import annotations
 

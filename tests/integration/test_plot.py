@@ -9,8 +9,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from swarmnode.bench.plotting import SERIES_KEY
 from swarmnode.core.ledger import STATS, read_ledger
-from swarmnode.util.plotting import SERIES_KEY
 from swarmtest import start_swarm
 
 

@@ -1,5 +1,5 @@
-"""Recovery from many peers at once: real `swarmnode run` processes on 127.0.0.1 (README "Recovery from
-many peers").
+"""Recovery from many peers at once: real `swarmnode run` processes on 127.0.0.1 (docs/design.md "Recovery
+from many peers").
 
 The swarm is built by recoveries, not by matchmaking (whose timing a loaded machine upsets): a first node
 trains two rounds alone and holds (a fault pauses its training thread at inner step 45; its event loop

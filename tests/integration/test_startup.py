@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from swarmnode.bench.procs import child_env
 from swarmnode.net.identity import Identity
-from swarmnode.util.procs import child_env
 from swarmtest import TINY_ARGS, ProcessReaper
 
 pytestmark = pytest.mark.timeout(120)

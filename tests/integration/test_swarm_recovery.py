@@ -128,7 +128,12 @@ def test_a_peer_of_another_run_configuration_is_never_used(tmp_path: Path, reape
     joiner = reaper.node(tmp_path / "joiner", [*ARGS, "--peers", f"127.0.0.1:{dht_port}"]).start()
     receipt = wait_for(lambda: read_receipts(joiner.data_dir), 90, "the joiner's receipt")[0]
     assert receipt["peer"] != stranger.grpc_address
-    assert "runs another configuration" in joiner.log()
+    line = wait_for(
+        lambda: next((ln for ln in joiner.log().splitlines() if "runs another configuration" in ln), None),
+        30,
+        "the joiner's line about the stranger",
+    )
+    assert "seed: theirs 7, ours 0" in line, line  # the setting that differs, with both values
     assert joiner.log().count("runs another configuration") == 1
 
 

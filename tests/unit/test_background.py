@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarmnode.bench.procs import wait_until
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.snapshot.write import write_snapshot
 from swarmnode.util import background, faults
 from swarmnode.util.background import BACKGROUND_NICENESS, BackgroundPriority, idle_policy_usable
 from swarmnode.util.metrics import Metrics
-from swarmnode.util.procs import wait_until
 
 needs_idle = pytest.mark.skipif(not idle_policy_usable(), reason="SCHED_IDLE cannot be left here")
 

@@ -85,7 +85,7 @@ def test_a_knob_the_bench_does_not_take_is_a_usage_error() -> None:
 def test_quality_bench_compares_three_sides_and_plots_them(tmp_path) -> None:
     from PIL import Image
 
-    from swarmnode.util.plotting import SERIES_KEY
+    from swarmnode.bench.plotting import SERIES_KEY
 
     png = tmp_path / "quality.png"
     knobs = ("--workers", "2", "--inner-steps", "2", "--rounds", "2", "--plot", str(png))
@@ -114,8 +114,8 @@ def test_swarm_bench_emits_json_per_swarm_size() -> None:
 def test_swarm_bench_plot_draws_both_panels_through_the_shared_plotting(tmp_path) -> None:
     from PIL import Image
 
+    from swarmnode.bench.plotting import SERIES_KEY
     from swarmnode.bench.swarm import SwarmFigures, _plot
-    from swarmnode.util.plotting import SERIES_KEY
 
     measured = [SwarmFigures(n, 0.1 * n, 0.2, 50.0, 4.0, 4.0, 2.0 + n, 300.0) for n in (2, 4)]
     png = tmp_path / "swarm.png"

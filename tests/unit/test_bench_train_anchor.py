@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from swarmnode.bench import train
+from swarmnode.bench.procs import NodeProcess, Worker, wait_until
 from swarmnode.bench.train import TIMEOUT_S
-from swarmnode.util.procs import NodeProcess, Worker, wait_until
 
 
 def test_bare_loop_trains_in_a_worker_of_its_own_session(tmp_path: Path) -> None:

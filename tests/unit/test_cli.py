@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from swarmnode.bench import procs
 from swarmnode.cli import demo
 from swarmnode.cli import main as cli
 from swarmnode.core.ledger import Ledger
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.node import startup as node
-from swarmnode.util import procs
 from swarmnode.util.errors import ConfigError
 
 TINY = (

@@ -1,5 +1,5 @@
-"""Client members (README "Behind NAT") in the group spec and in matchmaking: a client reduces no part,
-never leads, is never sent a proposal and fetches the frozen group from its leader instead."""
+"""Client members (docs/design.md "Behind NAT") in the group spec and in matchmaking: a client reduces no
+part, never leads, is never sent a proposal and fetches the frozen group from its leader instead."""
 
 from __future__ import annotations
 

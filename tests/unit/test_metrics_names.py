@@ -1,4 +1,4 @@
-"""Every metric a node exposes follows Prometheus' naming rules and ours (README "Metrics"): the
+"""Every metric a node exposes follows Prometheus' naming rules and ours (docs/operations.md "Metrics"): the
 `swarmnode_` prefix, `_total` counters, base units as the last word, and labels from small fixed sets."""
 
 from __future__ import annotations

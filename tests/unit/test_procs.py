@@ -1,4 +1,4 @@
-"""The child-process harness (`swarmnode.util.procs`): a child dies with its parent even when the parent
+"""The child-process harness (`swarmnode.bench.procs`): a child dies with its parent even when the parent
 is SIGKILLed (no `with` block or `kill()` runs then), and `stop_all` stops children cleanly or kills them."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from swarmnode.util import procs
+from swarmnode.bench import procs
 
 PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from swarmnode.util.procs import _Child
+    from swarmnode.bench.procs import _Child
 
     child = _Child(Path(sys.argv[1]))
     child._start(["sleep", "600"], piped=False)

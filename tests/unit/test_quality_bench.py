@@ -11,18 +11,18 @@ import pytest
 import torch
 from PIL import Image
 
-from swarmnode.bench import quality, quality_sweep
-from swarmnode.bench.quality import Comparison, Curve, Setup, Side, SideJob
+from swarmnode.bench import quality_sim, quality_sweep
+from swarmnode.bench.plotting import SERIES_KEY
 from swarmnode.bench.quality_plot import plot_comparison
+from swarmnode.bench.quality_sim import Comparison, Curve, Setup, Side, SideJob
 from swarmnode.bench.runner import BenchResult
 from swarmnode.swarm import codecs
-from swarmnode.util.plotting import SERIES_KEY
 
 
 def test_simulated_average_is_the_reducers_at_equal_weights() -> None:
     g = torch.Generator().manual_seed(0)
     d0, d1 = (torch.randn(1000, generator=g) for _ in range(2))
-    averaged = quality.group_average([d0, d1], "fp32")
+    averaged = quality_sim.group_average([d0, d1], "fp32")
     assert torch.equal(averaged.delta, (d0 + d1) / 2)
     assert (averaged.covered, averaged.group_size) == (((0, 1000),), 2)
 
@@ -37,9 +37,9 @@ def test_int4_average_passes_every_delta_and_the_mean_through_the_codec() -> Non
     mean = torch.zeros(1000)
     for d in deltas:
         mean.add_(through(d), alpha=1 / 4)
-    averaged = quality.group_average(deltas, "int4")
+    averaged = quality_sim.group_average(deltas, "int4")
     assert torch.equal(averaged.delta, through(mean))
-    assert not torch.equal(averaged.delta, quality.group_average(deltas, "fp32").delta)
+    assert not torch.equal(averaged.delta, quality_sim.group_average(deltas, "fp32").delta)
     assert (averaged.covered, averaged.group_size) == (((0, 1000),), 4)
 
 
@@ -111,7 +111,12 @@ def test_swarm_nodes_get_the_simulated_workers_settings() -> None:
     assert cfg.inner_schedule == job.schedule and cfg.inner_schedule.final_fraction == 0.1
     assert (cfg.inner_lr, cfg.outer_lr, cfg.outer_momentum) == (job.lr, job.outer_lr, job.outer_momentum)
     assert (cfg.shard, cfg.num_shards, cfg.inner_steps, cfg.max_outer_steps) == (2, 4, 25, 6)
-    assert (cfg.batch_size, cfg.seq_len, cfg.seed, cfg.threads) == (quality.BATCH_SIZE, quality.SEQ_LEN, 0, 1)
+    assert (cfg.batch_size, cfg.seq_len, cfg.seed, cfg.threads) == (
+        quality_sim.BATCH_SIZE,
+        quality_sim.SEQ_LEN,
+        0,
+        1,
+    )
     assert cfg.wire_dtype == "fp32" and cfg.model == job.model
 
 
@@ -136,8 +141,8 @@ def test_swarm_report_finds_the_worst_node_round_and_partial_groups() -> None:
 
 def test_the_fragments_variant_measures_after_every_h_steps_at_equal_tokens() -> None:
     job = SideJob(Side.FRAGMENTS, "tiny", 2, 6, 2, 2e-3)  # H = 6 in rounds of 1 or 2 steps (K = 4)
-    curve = quality.train_side(job)
-    blocking = quality.train_side(SideJob(Side.DILOCO, "tiny", 2, 6, 2, 2e-3))
+    curve = quality_sim.train_side(job)
+    blocking = quality_sim.train_side(SideJob(Side.DILOCO, "tiny", 2, 6, 2, 2e-3))
     assert len(curve.losses) == len(blocking.losses) == 3 and curve.tokens == blocking.tokens
     assert curve.losses[0] == blocking.losses[0] and curve.losses[-1] != blocking.losses[-1]
     assert curve.losses[-1] < curve.losses[0]
@@ -147,15 +152,15 @@ def test_one_worker_trains_on_the_whole_corpus_and_the_workers_on_their_shards(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     asked: list[tuple[int, int]] = []
-    real_loader = quality.loader
+    real_loader = quality_sim.loader
 
     def recording_loader(corpus: object, shard: int, workers: int) -> object:
         asked.append((shard, workers))
         return real_loader(corpus, shard, workers)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(quality, "loader", recording_loader)
-    quality.train_side(SideJob(Side.SINGLE, "tiny", 4, 1, 1, 2e-3))
+    monkeypatch.setattr(quality_sim, "loader", recording_loader)
+    quality_sim.train_side(SideJob(Side.SINGLE, "tiny", 4, 1, 1, 2e-3))
     assert asked[1:] == [(0, 1)]  # asked[0]: the held-out batches, the same for every side
     asked.clear()
-    quality.train_side(SideJob(Side.DILOCO, "tiny", 2, 1, 1, 2e-3))
+    quality_sim.train_side(SideJob(Side.DILOCO, "tiny", 2, 1, 1, 2e-3))
     assert asked[1:] == [(0, 2), (1, 2)]

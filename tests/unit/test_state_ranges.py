@@ -355,18 +355,24 @@ def test_an_open_ended_fetch_takes_more_peers_and_ranges_while_it_runs_and_ends_
 
     pinned.fetch = logged  # type: ignore[method-assign]
     got: dict[tuple[str, int], bytes] = {}
+    two_in = asyncio.Event()
 
     def deliver(job: RangeJob, data: bytes) -> None:
         assert job.key not in got, "delivered twice"
         got[job.key] = data
+        if len(got) == 2:
+            two_in.set()
 
     async def main() -> None:
         node_jobs = [RangeJob(node_ranges, i, pinned="pinned") for i in range(6)]
         fetcher = RangeFetcher([pinned], node_jobs[:2], deliver, open_ended=True)
         run = asyncio.create_task(fetcher.run())
-        while len(got) < 2:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(two_in.wait(), 10)
+        # A closed fetch started only now, of the same two ranges, runs from start to end while the
+        # open-ended one has every range it was given: that one had as long to end, and must not have.
+        control = FakePeer("control", blobs, lists)
+        closed = RangeFetcher([control], [RangeJob(node_ranges, i) for i in range(2)], lambda job, data: None)
+        await asyncio.wait_for(closed.run(), 10)
         assert not run.done()  # every range given so far is in, but more may come
         await fetcher.extend([pinned, a, b], node_jobs[2:] + [RangeJob(shared_ranges, i) for i in range(8)])
         await fetcher.close()

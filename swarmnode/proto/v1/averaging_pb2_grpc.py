@@ -71,7 +71,7 @@ class AveragingServiceServicer:
         contribution or its deadline passed, it answers with a first message carrying `header` only,
         then the averaged part's image in chunks the same way, and ends the call. A sender whose
         contribution was cut short still gets the answer if its call is open.
-        The bulk lane (README "The swarm"; plaintext swarms only): the reducer's initial metadata may
+        The bulk lane (docs/design.md "The swarm"; plaintext swarms only): the reducer's initial metadata may
         also carry `swarmnode-bulk: PORT.TICKET` (TICKET: 32 hex digits). A sender that opens a TCP
         connection to the reducer's host at PORT, writes the ticket's 16 bytes and reads back the byte
         0x01 may then send one message with `bulk` set and write the image there instead: each
@@ -90,7 +90,7 @@ class AveragingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AwaitGroup(self, request, context):
-        """A client member (one that cannot be dialled: README "Behind NAT") asks the round's leader for
+        """A client member (one that cannot be dialled: docs/design.md "Behind NAT") asks the round's leader for
         the group it froze, instead of being sent a proposal. The leader answers once it has frozen
         its group for `round` (waiting at most until its matchmaking deadline has passed).
         Errors: NOT_FOUND (the leader froze a group without the caller), FAILED_PRECONDITION (the

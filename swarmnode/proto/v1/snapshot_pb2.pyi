@@ -71,7 +71,7 @@ class DataCursor(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step", "last_loss", "tokens_per_s", "cursor", "snapshots", "peers", "global_digest", "last_group", "last_coverage", "last_allreduce_s", "repairs", "reachability", "snapshot_error")
+    __slots__ = ("node_id", "run_id", "phase", "uptime_s", "outer_step", "inner_step", "last_loss", "tokens_per_s", "cursor", "snapshots", "peers", "global_digest", "last_group", "last_coverage", "last_allreduce_s", "repairs", "reachability", "snapshot_error", "run_settings")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class NodeStatus(_message.Message):
     REPAIRS_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    RUN_SETTINGS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     phase: str
@@ -108,4 +109,5 @@ class NodeStatus(_message.Message):
     repairs: int
     reachability: str
     snapshot_error: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., phase: _Optional[str] = ..., uptime_s: _Optional[float] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotMeta, _Mapping]]] = ..., peers: _Optional[int] = ..., global_digest: _Optional[str] = ..., last_group: _Optional[_Iterable[str]] = ..., last_coverage: _Optional[float] = ..., last_allreduce_s: _Optional[float] = ..., repairs: _Optional[int] = ..., reachability: _Optional[str] = ..., snapshot_error: _Optional[str] = ...) -> None: ...
+    run_settings: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., phase: _Optional[str] = ..., uptime_s: _Optional[float] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotMeta, _Mapping]]] = ..., peers: _Optional[int] = ..., global_digest: _Optional[str] = ..., last_group: _Optional[_Iterable[str]] = ..., last_coverage: _Optional[float] = ..., last_allreduce_s: _Optional[float] = ..., repairs: _Optional[int] = ..., reachability: _Optional[str] = ..., snapshot_error: _Optional[str] = ..., run_settings: _Optional[str] = ...) -> None: ...
