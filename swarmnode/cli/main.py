@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from swarmnode.cli.data import add_data_parser
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.node.config import FLAG_BY_FIELD, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the node's local weights instead of the swarm's global params",
     )
     sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery (~1 min)")
+    add_data_parser(sub)
     ledger = sub.add_parser("ledger", help="the receipts ledgers of nodes")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=OneLineParser)
     check = ledger_sub.add_parser(
@@ -231,6 +233,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from swarmnode.cli.commands import ledger_check_command
 
         return _checked(ledger_check_command, args.dirs, args.json)
+    if args.command == "data":
+        from swarmnode.cli.data import data_command
+
+        return data_command(args)
     if args.command == "plot":
         from swarmnode.cli.plot import plot_command
 

@@ -369,8 +369,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "data",
         _non_empty,
-        "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
-        "directory (bytes); default: the Python standard library's own sources",
+        "training data: a directory made by `swarmnode data prepare`, a nanoGPT-style .bin of uint16 "
+        "tokens, or a text file or directory (bytes); default: the shipped Shakespeare corpus",
         metavar="PATH",
     ),
     Flag("device", _choice(DEVICES), "where to train; auto picks cuda when available", choices=DEVICES),
