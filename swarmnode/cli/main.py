@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan"],
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"],
         help="which benchmark",
     )
     bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--peers",
         type=int,
         help="recovery: recover from this many peers at once against from one, on a capped bed (root)",
+    )
+    bench.add_argument(
+        "--input-gb",
+        type=float,
+        help="prepare: size of the generated jsonl for the peak RSS (default 1; 0: skip)",
     )
     bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")

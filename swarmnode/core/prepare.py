@@ -20,6 +20,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -153,30 +154,41 @@ def batches(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
 def _encoded_batches(
     cfg: PrepareConfig, pieces: Iterable[Piece]
 ) -> Iterator[tuple[list[Piece], list[np.ndarray]]]:
-    if cfg.workers == 1:
-        encoder = cfg.tokenizer.build()
+    """Each batch with its tokens, in order, while the next batches are read: up to `2 × workers`
+    batches are being encoded at once (one worker: a thread, which the tokenizer's encode lets run
+    beside the reading; more: spawned processes)."""
+    with _encoding_pool(cfg) as pool:
+        pending: deque[tuple[list[Piece], Future[list[np.ndarray]]]] = deque()
         for batch in batches(pieces):
-            yield batch, encoder.encode_batch([piece.text for piece in batch])
-        return
-    context = multiprocessing.get_context("spawn")  # a fork would copy the reader's state and locks
-    with context.Pool(cfg.workers, initializer=_start_worker, initargs=(cfg.tokenizer,)) as pool:
-        pending: deque[tuple[list[Piece], Any]] = deque()
-        for batch in batches(pieces):
-            pending.append((batch, pool.apply_async(_encode_in_worker, ([piece.text for piece in batch],))))
+            pending.append((batch, pool.submit(_encode_in_worker, [piece.text for piece in batch])))
             if len(pending) >= 2 * cfg.workers:
                 done, result = pending.popleft()
-                yield done, result.get()
+                yield done, result.result()
         while pending:
             done, result = pending.popleft()
-            yield done, result.get()
+            yield done, result.result()
+
+
+def _encoding_pool(cfg: PrepareConfig) -> Executor:
+    if cfg.workers == 1:
+        _start_worker(cfg.tokenizer, quiet=False)
+        return ThreadPoolExecutor(1, thread_name_prefix="prepare-encode")
+    return ProcessPoolExecutor(
+        cfg.workers,
+        mp_context=multiprocessing.get_context("spawn"),  # a fork would copy the reader's state and locks
+        initializer=_start_worker,
+        initargs=(cfg.tokenizer,),
+    )
 
 
 _worker_encoder: Encoder | None = None
 
 
-def _start_worker(spec: TokenizerSpec) -> None:
+def _start_worker(spec: TokenizerSpec, quiet: bool = True) -> None:
+    """The encoder of this process (quiet: without the tokenizer's own thread pool, one of several)."""
     global _worker_encoder
-    quiet_worker_parallelism()
+    if quiet:
+        quiet_worker_parallelism()
     _worker_encoder = spec.build()
 
 
