@@ -114,11 +114,6 @@ def _token_file(path: Path) -> Corpus:
     return Corpus(tokens, vocab, digest.hexdigest(), f"tokens:{path}")
 
 
-def shard_for_node(node_id: bytes, num_shards: int) -> int:
-    """A node's shard, a pure function of its id (two nodes may share one; --shard overrides)."""
-    return int.from_bytes(hashlib.sha256(b"swarmnode-shard\0" + node_id).digest()[:8], "big") % num_shards
-
-
 @dataclass(frozen=True)
 class Batch:
     inputs: torch.Tensor  # [batch, seq_len] int64
@@ -149,6 +144,14 @@ class ShardLoader:
             )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def move_to(self, shard: int) -> None:
+        """Read shard `shard` from its start instead (every shard has the same length)."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard {shard} is not below the {self.num_shards} shards")
+        self.shard, self._start = shard, shard * (self.corpus.train_len // self.num_shards)
+        self.epoch, self.position = 0, 0
+        self._order_epoch = -1
 
     def state_dict(self) -> dict[str, int]:
         return {"shard": self.shard, "epoch": self.epoch, "position": self.position}

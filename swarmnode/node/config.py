@@ -21,6 +21,7 @@ from typing import Any
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
+from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.swarm.grouping import MIN_GROUP_SIZE
 from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
@@ -65,6 +66,7 @@ class NodeConfig:
     seq_len: int = 128
     num_shards: int = 16
     shard: int | None = None
+    shard_claim_ttl_s: float = 600.0
     hot_every: int = 50
     cold_every: int = 5
     keep_hot: int = 3
@@ -155,6 +157,10 @@ class NodeConfig:
 
 
 def _check_combinations(cfg: NodeConfig) -> None:
+    if not 3 <= cfg.shard_claim_ttl_s <= MAX_TTL_S:
+        raise ConfigError(
+            f"--shard-claim-ttl: must be in 3..{MAX_TTL_S:g} seconds, got {cfg.shard_claim_ttl_s:g}"
+        )
     if cfg.shard is not None and cfg.shard >= cfg.num_shards:
         raise ConfigError(f"--shard: must be below --num-shards ({cfg.num_shards}), got {cfg.shard}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
@@ -419,7 +425,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("batch_size", _positive_int, "sequences per inner step"),
     Flag("seq_len", _positive_int, "tokens per sequence (at most the preset's context)"),
     Flag("num_shards", _positive_int, "shards the training data is cut into (must agree across the run)"),
-    Flag("shard", _non_negative_int, "this node's shard (default: chosen from the node id)"),
+    Flag(
+        "shard", _non_negative_int, "pin this node's shard (default: claim the least-claimed one in the DHT)"
+    ),
+    Flag(
+        "shard_claim_ttl_s",
+        _positive_float,
+        "seconds a stopped node's shard claim outlives it; then another node may take the shard over",
+        metavar="SECONDS",
+    ),
     Flag("hot_every", _positive_int, "inner steps between hot (speculative, background) snapshots"),
     Flag("cold_every", _positive_int, "outer steps between cold (fsynced, kept longer) snapshots"),
     Flag("keep_hot", _positive_int, "hot snapshots kept on disk"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarmnode.core.data import ShardLoader, default_corpus, load_corpus, shard_for_node, window_order
+from swarmnode.core.data import ShardLoader, default_corpus, load_corpus, window_order
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +66,13 @@ def test_shards_are_disjoint_and_exclude_heldout(corpus) -> None:
     assert all(torch.equal(x.inputs, y.inputs) for x, y in pairs)
 
 
-def test_shard_choice_is_a_pure_function_of_the_node_id() -> None:
-    ids = [bytes([i]) * 20 for i in range(64)]
-    shards = [shard_for_node(i, 16) for i in ids]
-    assert shards == [shard_for_node(i, 16) for i in ids]
-    assert len(set(shards)) > 8
+def test_a_loader_moved_to_another_shard_reads_it_from_its_start(corpus) -> None:
+    moved = ShardLoader(corpus, 0, 16, 4, 64, seed=1)
+    moved.next_batch()
+    moved.move_to(5)
+    fresh = ShardLoader(corpus, 5, 16, 4, 64, seed=1)
+    assert moved.state_dict() == {"shard": 5, "epoch": 0, "position": 0}
+    assert torch.equal(moved.next_batch().inputs, fresh.next_batch().inputs)
 
 
 def test_window_order_is_a_permutation() -> None:
