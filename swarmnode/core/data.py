@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
-from swarmnode.core.tokens import MANIFEST_NAME, load_prepared
+from swarmnode.core.tokens import MANIFEST_NAME, TOKENS_NAME, load_prepared
 from swarmnode.util.validate import parse_cursor
 
 HELDOUT_FRACTION = 0.01
@@ -60,7 +60,8 @@ def load_corpus(data: str | None) -> Corpus:
     path = Path(data)
     if not path.exists():
         raise ValueError(f"--data: no such file or directory, got {data!r}")
-    if path.is_dir() and (path / MANIFEST_NAME).exists():
+    if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / TOKENS_NAME).exists()):
+        # (a token file without its manifest is a half-prepared directory: refused, never read as text)
         prepared = load_prepared(path, "--data")
         return Corpus(prepared.tokens, prepared.vocab_size, prepared.digest, f"prepared:{path}")
     if path.is_file() and path.suffix == ".bin":

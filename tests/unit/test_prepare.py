@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.presets import preset
 from swarmnode.core.tokens import load_prepared
 from swarmnode.core.training import run_digest
+from swarmnode.util.procs import wait_until
 
 tokenizers = pytest.importorskip("tokenizers")
 pa = pytest.importorskip("pyarrow")
@@ -194,3 +197,23 @@ def test_bad_inputs_are_one_line_exit_2_and_leave_nothing(tmp_path, bpe, inputs,
     assert prepare([inputs["jsonl"]], out, "bytes") == 0
     assert prepare([inputs["jsonl"]], out, "bytes") == 2  # never over an existing directory
     _one_line_error(capsys, "--out", "already exists")
+
+
+def test_a_killed_prepare_leaves_nothing_a_node_would_accept(tmp_path) -> None:
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "To be, or not to be, that is the question. " * 40}) + "\n"
+    big.write_text(line * 60_000)  # ~100 MB: long enough to be killed on the way
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "swarmnode.cli", "data", "prepare", str(big), "--tokenizer", "bytes"]
+    child = subprocess.Popen([*command, "--out", str(out)], stderr=subprocess.DEVNULL)
+    try:
+        partial = wait_until(lambda: next(tmp_path.glob(".out.partial-*/tokens.bin"), None), 60, "tokens")
+        wait_until(lambda: partial.stat().st_size > 0, 60, "the first tokens written")
+    finally:
+        child.kill()
+        child.wait(30)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="no manifest.json"):
+        load_corpus(str(partial.parent))
+    dry = ["run", "--dry-run", "--data", str(partial.parent), "--data-dir", str(tmp_path / "node")]
+    assert main(dry) == 2
