@@ -75,7 +75,7 @@ class _Counts:
 
 def prepare(cfg: PrepareConfig) -> Manifest:
     """Encode the inputs into `cfg.out` (ValueError, one line naming the file, on bad input)."""
-    files = input_files(list(cfg.inputs), cfg.text_field)
+    files = input_files(list(cfg.inputs))
     partial = cfg.out.absolute().parent / f".{cfg.out.name}.partial-{os.getpid()}"
     partial.mkdir()
     try:

@@ -38,7 +38,7 @@ class Piece:
     """How many bytes of input files this piece accounts for (for progress)."""
 
 
-def input_files(given: list[Path], text_field: str) -> list[Path]:
+def input_files(given: list[Path]) -> list[Path]:
     """Every file the inputs name, in reading order (a directory: sorted by path)."""
     files: list[Path] = []
     for path in given:
