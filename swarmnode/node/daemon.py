@@ -233,6 +233,7 @@ class Node:
             progress,
         )
         self.node_id = parts.run.identity.node_id
+        self._ports = services.ports
         self._loop = asyncio.get_running_loop()
         self.stop = threading.Event()
         self._pending_receipt: Receipt | None = None  # training thread only, like `_snapshot_due`
@@ -598,6 +599,7 @@ class Node:
         shard = await self.shard_claims.claim(self.stop)
         if shard != self.run_state.loader.shard:
             await self.training.run(self.run_state.assign_shard, shard)
+            write_node_file(self.cfg, self._ports, self.run_state)  # (it names the shard)
 
     async def _recover(self) -> None:
         self.board.phase = Phase.RECOVERING
