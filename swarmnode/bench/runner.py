@@ -15,6 +15,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | `quality` | DiLoCo's held-out loss over a run; a sweep of its settings | synchronous DP; one worker |
 | `swarm` | per swarm size N: matchmaking, all-reduce, DHT requests, rounds, RSS | the round's wall time |
 | `wan` | N nodes on links capped at R Mbit/s: blocking vs `--overlap on` | inner phase; 2(N−1)/N · B / R |
+| `prepare` | `data prepare` tokens/s; its peak RSS on a ≥ 1 GB jsonl | the tokenizer's `encode_batch`; 1 GB |
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ KNOBS = (
     "variants",
     "mbit",
     "peers",
+    "input_gb",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 

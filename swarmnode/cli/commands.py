@@ -8,9 +8,10 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from swarmnode.cli.units import duration, percent, rate, size
-from swarmnode.core.ledger import check_dirs, cross_check
+from swarmnode.core.ledger import Window, check_dirs, cross_check, shard_windows
 from swarmnode.net.rpc import NodeStatus, PeerUnavailable, client_security
 from swarmnode.net.snapshot_client import fetch_snapshot, get_status
 from swarmnode.util.labels import FetchFailure
@@ -108,17 +109,22 @@ def format_status(status: NodeStatus) -> str:
 
 
 def ledger_check_command(dirs: list[Path], as_json: bool) -> int:
-    """`swarmnode ledger check`: one line per node, then one per violation across them (`cross_check`),
-    or JSON; exit 1 on any violation, 2 for a directory without a ledger."""
+    """`swarmnode ledger check`: one line per node, the swarm-wide view (per shard, which windows
+    which node trained), then one line per violation across them (`cross_check`, `shard_windows`: a
+    window trained twice, a gap behind a committed cursor), or JSON; exit 1 on any violation, 2 for a
+    directory without a ledger."""
     replayed = check_dirs(dirs)  # ValueError for a directory without a ledger: exit 2
     nodes = [{k: v for k, v in node.items() if k != "entries"} for node in replayed]
-    if any(node["violations"] for node in nodes):  # a malformed ledger: its chain is not evidence
-        across = []
-    else:
-        across = cross_check({node["node_id"]: node["entries"] for node in replayed})
+    windows: dict[int, list[Window]] = {}
+    across: list[str] = []
+    if not any(node["violations"] for node in nodes):  # a malformed ledger: its chain is not evidence
+        across += cross_check({node["node_id"]: node["entries"] for node in replayed})
+        windows, seams = shard_windows({node["node_id"]: node["entries"] for node in replayed})
+        across += seams
     ok = not across and not any(node["violations"] for node in nodes)
+    shards = _shard_spans(windows)
     if as_json:
-        print(json.dumps({"ok": ok, "nodes": nodes, "across_nodes": across}, indent=2))
+        print(json.dumps({"ok": ok, "nodes": nodes, "across_nodes": across, "shards": shards}, indent=2))
         return 0 if ok else 1
     for node in nodes:
         head = f"{node['dir']}: node {node['node_id'][:12]}"
@@ -126,6 +132,40 @@ def ledger_check_command(dirs: list[Path], as_json: bool) -> int:
             print(f"{head}: {len(node['violations'])} violation(s): " + "; ".join(node["violations"]))
         else:
             print(f"{head}: ok ({node['rounds']} rounds in the chain, {node['retrained']} trained again)")
+    for shard, spans in shards.items():
+        print(
+            f"shard {shard}: "
+            + ", ".join(
+                f"{s['start']}→{s['end']} by {s['node_id'][:12]} (rounds {s['rounds'][0]}–{s['rounds'][1]})"
+                for s in spans
+            )
+        )
     for violation in across:
         print(f"across nodes: {violation}")
     return 0 if ok else 1
+
+
+def _shard_spans(windows: dict[int, list[Window]]) -> dict[int, list[dict[str, Any]]]:
+    """Each shard's windows, consecutive ones of one node joined: who trained which batches, once."""
+    spans: dict[int, list[dict[str, Any]]] = {}
+    for shard, ordered in sorted(windows.items()):
+        joined: list[dict[str, Any]] = []
+        for w in ordered:
+            last = joined[-1] if joined else None
+            if last is not None and last["node_id"] == w.node_id and last["end"] == _cursor_text(w.start):
+                last["end"], last["rounds"][1] = _cursor_text(w.end), w.outer_step
+            else:
+                joined.append(
+                    {
+                        "node_id": w.node_id,
+                        "start": _cursor_text(w.start),
+                        "end": _cursor_text(w.end),
+                        "rounds": [w.outer_step, w.outer_step],
+                    }
+                )
+        spans[shard] = joined
+    return spans
+
+
+def _cursor_text(point: tuple[int, int, int]) -> str:
+    return f"e{point[1]}:{point[2]}"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from swarmnode.cli.data import add_data_parser
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.node.config import FLAG_BY_FIELD, RUN_USAGE, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("demo", help="a three-node swarm on loopback: training, a crash and a recovery")
     _add_identity_parser(sub)
+    add_data_parser(sub)
     ledger = sub.add_parser("ledger", help="the receipts ledgers of nodes")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=OneLineParser)
     check = ledger_sub.add_parser(
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan"],
+        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"],
         help="which benchmark",
     )
     bench.add_argument(
@@ -118,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--peers",
         type=int,
         help="recovery: recover from this many peers at once against from one, on a capped bed (root)",
+    )
+    bench.add_argument(
+        "--input-gb",
+        type=float,
+        help="prepare: size of the generated jsonl for the peak RSS (default 1; 0: skip)",
     )
     bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
@@ -287,6 +294,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from swarmnode.cli.commands import ledger_check_command
 
         return _checked(ledger_check_command, args.dirs, args.json)
+    if args.command == "data":
+        from swarmnode.cli.data import data_command
+
+        return data_command(args)
     if args.command == "plot":
         from swarmnode.cli.plot import plot_command
 

@@ -1,8 +1,10 @@
 """Token sources, deterministic per-node shards and the resumable loader cursor.
 
-The default corpus is one that exists on every machine and that nobody here wrote: the Python standard
-library's own top-level source files, read in sorted order, as bytes (vocab 256). Its sha256 is recorded,
-so nodes whose Python versions ship different sources never end up in one run (the run digest differs).
+The default corpus is a fixed file shipped inside the package, so it is the same on every machine and
+every volunteer's default node can join every other's default run: Shakespeare's 42 plays and poems
+(public domain; the Open Shakespeare edition, CC BY 2.5, see `corpus/NOTICE`), read as bytes (vocab 256).
+`--data` takes a directory made by `swarmnode data prepare` (tokens by memmap; the manifest's digest,
+not the path, is the corpus digest), a nanoGPT-style uint16 `.bin`, or text files read as bytes.
 
 A corpus is cut into `num_shards` contiguous shards after a held-out tail (for evaluation). A shard is a
 list of windows of `seq_len + 1` tokens; every epoch visits them in an order that is a pure function of
@@ -13,19 +15,22 @@ restart needs to produce exactly the batches an uninterrupted run would have pro
 from __future__ import annotations
 
 import hashlib
-import sysconfig
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
+from swarmnode.core.tokens import MANIFEST_NAME, TOKENS_NAME, load_prepared
 from swarmnode.util.validate import parse_cursor
 
 HELDOUT_FRACTION = 0.01
-DEFAULT_CORPUS_NAME = "python-stdlib"
+DEFAULT_CORPUS_NAME = "shakespeare"
+DEFAULT_CORPUS_FILE = "shakespeare.txt"
 
 
 @dataclass(frozen=True)
@@ -48,21 +53,28 @@ class Corpus:
 
 
 def load_corpus(data: str | None) -> Corpus:
-    """The embedded default corpus (None), a nanoGPT-style uint16 `.bin`, or a text file/directory."""
+    """The embedded default corpus (None), a prepared directory, a nanoGPT-style uint16 `.bin`, or a
+    text file/directory (bytes)."""
     if data is None:
         return default_corpus()
     path = Path(data)
     if not path.exists():
         raise ValueError(f"--data: no such file or directory, got {data!r}")
+    if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / TOKENS_NAME).exists()):
+        # (a token file without its manifest is a half-prepared directory: refused, never read as text)
+        prepared = load_prepared(path, "--data")
+        return Corpus(prepared.tokens, prepared.vocab_size, prepared.digest, f"prepared:{path}")
     if path.is_file() and path.suffix == ".bin":
         return _token_file(path)
     return _text_corpus(_text_files(path), f"text:{path}")
 
 
+@cache
 def default_corpus() -> Corpus:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"), key=lambda p: p.name)
-    return _text_corpus(files, f"{DEFAULT_CORPUS_NAME}:{stdlib}")
+    """The corpus shipped in the package (decompressed once per process)."""
+    packed = resources.files("swarmnode.core").joinpath(f"corpus/{DEFAULT_CORPUS_FILE}.zst").read_bytes()
+    text = zstandard.ZstdDecompressor().decompress(packed)
+    return _text_corpus_of([(DEFAULT_CORPUS_FILE, text)], DEFAULT_CORPUS_NAME)
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -75,14 +87,16 @@ def _text_files(path: Path) -> list[Path]:
 
 
 def _text_corpus(files: list[Path], description: str) -> Corpus:
+    return _text_corpus_of([(path.name, path.read_bytes()) for path in files], description)
+
+
+def _text_corpus_of(named: list[tuple[str, bytes]], description: str) -> Corpus:
+    """Bytes as tokens (vocab 256); the digest covers each file's name, length and content."""
     digest = hashlib.sha256()
-    parts = []
-    for path in files:
-        content = path.read_bytes()
-        digest.update(f"{path.name}\0{len(content)}\0".encode())
+    for name, content in named:
+        digest.update(f"{name}\0{len(content)}\0".encode())
         digest.update(content)
-        parts.append(content)
-    tokens = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    tokens = np.frombuffer(b"".join(content for _, content in named), dtype=np.uint8)
     return Corpus(tokens, 256, digest.hexdigest(), description)
 
 
@@ -99,11 +113,6 @@ def _token_file(path: Path) -> Corpus:
             digest.update(block)
     vocab = (int(tokens.max()) + 1 + 63) // 64 * 64
     return Corpus(tokens, vocab, digest.hexdigest(), f"tokens:{path}")
-
-
-def shard_for_node(node_id: bytes, num_shards: int) -> int:
-    """A node's shard, a pure function of its id (two nodes may share one; --shard overrides)."""
-    return int.from_bytes(hashlib.sha256(b"swarmnode-shard\0" + node_id).digest()[:8], "big") % num_shards
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,14 @@ class ShardLoader:
             )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def move_to(self, shard: int) -> None:
+        """Read shard `shard` from its start instead (every shard has the same length)."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard {shard} is not below the {self.num_shards} shards")
+        self.shard, self._start = shard, shard * (self.corpus.train_len // self.num_shards)
+        self.epoch, self.position = 0, 0
+        self._order_epoch = -1
 
     def state_dict(self) -> dict[str, int]:
         return {"shard": self.shard, "epoch": self.epoch, "position": self.position}

@@ -61,6 +61,8 @@ class RoundStatus(StrEnum):
 
 
 ROUND_STATUSES = tuple(RoundStatus)
+TAKEOVER = "takeover"
+"""The adopt source of a node that took a departed node's shard over at its committed cursor."""
 Point = tuple[int, int, int]
 
 
@@ -201,8 +203,8 @@ def _adopt(report: LedgerReport, point: Point, source: str) -> None:
     ends = [end for _, end in report.chain]
     if point in ends:
         keep = ends.index(point) + 1
-    elif point[1:] == (0, 0) or point == report.anchor:
-        keep = 0
+    elif point[1:] == (0, 0) or point == report.anchor or source == TAKEOVER:
+        keep = 0  # (a takeover continues another node's chain: `shard_windows` checks the seam)
     else:
         report.errors.append(f"adopted cursor {point} ({source}) is no point of the chain {ends[-3:]}")
         keep = len(report.chain)
@@ -275,3 +277,78 @@ def check_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
             found["violations"] = bad_lines + report.errors
             nodes.append({"dir": str(directory), "node_id": node_id, "entries": entries, **found})
     return nodes
+
+
+@dataclass(frozen=True)
+class Window:
+    """A range of a shard's batches that one node's chain counts in the model."""
+
+    start: Point
+    end: Point
+    node_id: str
+    outer_step: int
+
+
+def shard_windows(ledgers: Mapping[str, list[dict[str, Any]]]) -> tuple[dict[int, list[Window]], list[str]]:
+    """The swarm-wide view over many nodes' ledgers (node id -> entries): per shard, the windows each
+    node's chain counts, in order, and the violations — a window trained twice (it overlaps another
+    node's), or a gap (a window starts past where the shard's previous one ended). A node's last round
+    that no settle closed (it died with its Δ on the wire) counts only when another member's average
+    included it; otherwise the shard goes on from its start (taken over: trained again)."""
+    included = _included_rounds(ledgers)
+    shards: dict[int, list[Window]] = {}
+    for node_id, entries in ledgers.items():
+        report = check(entries)
+        pending = _pending_round(entries)
+        for (start, end), step in zip(report.chain, report.chain_steps, strict=True):
+            if step == pending and (step, node_id) not in included:
+                continue
+            shards.setdefault(start[0], []).append(Window(start, end, node_id, step))
+    errors = []
+    for shard, windows in sorted(shards.items()):
+        windows.sort(key=lambda w: (w.start, w.end))
+        errors += _seams(shard, windows)
+    return shards, errors
+
+
+def _included_rounds(ledgers: Mapping[str, list[dict[str, Any]]]) -> set[tuple[int, str]]:
+    """(round, node) pairs some member's settle names among the included."""
+    return {
+        (int(e["outer_step"]), str(member))
+        for entries in ledgers.values()
+        for e in entries
+        if e.get("event") == "settle"
+        for member in e.get("included", ())
+    }
+
+
+def _pending_round(entries: list[dict[str, Any]]) -> int | None:
+    """The outer step of a node's last round when no settle or adopt followed it."""
+    for entry in reversed(entries):
+        if entry.get("event") == "round":
+            return int(entry["outer_step"])
+        if entry.get("event") in ("settle", "adopt"):
+            return None
+    return None
+
+
+def _seams(shard: int, windows: list[Window]) -> list[str]:
+    errors, previous = [], None
+    if windows and windows[0].start[1:] != (0, 0):
+        errors.append(
+            f"shard {shard}: its first window starts at {windows[0].start}: batches before it skipped"
+        )
+    for window in windows:
+        if previous is not None and window.start < previous.end:
+            errors.append(
+                f"shard {shard}: {window.node_id[:12]}'s round {window.outer_step} "
+                f"{window.start}→{window.end} overlaps {previous.node_id[:12]}'s round "
+                f"{previous.outer_step} (ending {previous.end}): batches trained twice"
+            )
+        elif previous is not None and window.start > previous.end:
+            errors.append(
+                f"shard {shard}: a gap {previous.end}→{window.start} before {window.node_id[:12]}'s round "
+                f"{window.outer_step}: batches skipped"
+            )
+        previous = window if previous is None or window.end > previous.end else previous
+    return errors

@@ -448,6 +448,13 @@ class TrainingRun:
         self.progress.inner_step, self.progress.tokens = own_steps
         self.publish()
 
+    def assign_shard(self, shard: int) -> None:
+        """Train shard `shard` from its start (before any training: the shard the node claimed)."""
+        assert_training_thread("assigning a shard")
+        self.loader.move_to(shard)
+        self.progress.committed_cursor = self.loader.state_dict()
+        self.publish()
+
     def resume_cursor(self, cursor: dict[str, int], steps: tuple[int, int]) -> None:
         """A fresh start that keeps this node's place in its shard: its batches before `cursor` are in
         no state that survives, so that is where its first round begins (and what it has committed)."""

@@ -21,6 +21,7 @@ from typing import Any
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.presets import MODEL_PRESETS
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
+from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
@@ -64,6 +65,7 @@ class NodeConfig:
     seq_len: int = 128
     num_shards: int = 16
     shard: int | None = None
+    shard_claim_ttl_s: float = 600.0
     hot_every: int = 50
     cold_every: int = 5
     keep_hot: int = 3
@@ -161,6 +163,10 @@ class NodeConfig:
 
 
 def _check_combinations(cfg: NodeConfig) -> None:
+    if not 3 <= cfg.shard_claim_ttl_s <= MAX_TTL_S:
+        raise ConfigError(
+            f"--shard-claim-ttl: must be in 3..{MAX_TTL_S:g} seconds, got {cfg.shard_claim_ttl_s:g}"
+        )
     if cfg.shard is not None and cfg.shard >= cfg.num_shards:
         raise ConfigError(f"--shard: must be below --num-shards ({cfg.num_shards}), got {cfg.shard}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
@@ -315,8 +321,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "data",
         flag_values.non_empty,
-        "training data: a nanoGPT-style .bin of uint16 tokens, or a text file or "
-        "directory (bytes); default: the Python standard library's own sources",
+        "training data: a directory made by `swarmnode data prepare`, a nanoGPT-style .bin of uint16 "
+        "tokens, or a text file or directory (bytes); default: the shipped Shakespeare corpus",
         metavar="PATH",
         group=FlagGroup.COMMON,
     ),
@@ -414,7 +420,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "shard",
         flag_values.non_negative_int,
-        "this node's shard (default: chosen from the node id)",
+        "pin this node's shard (default: claim the least-claimed one in the DHT)",
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "shard_claim_ttl_s",
+        flag_values.positive_float,
+        "seconds a stopped node's shard claim outlives it; then another node may take the shard over",
+        metavar="SECONDS",
         group=FlagGroup.TRAINING,
     ),
     Flag(

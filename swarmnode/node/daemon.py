@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from swarmnode.core.data import ShardLoader, shard_for_node
+from swarmnode.core.data import ShardLoader
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.ledger import Ledger, RoundStatus, training_stats
 from swarmnode.core.model import configure_determinism, count_parameters
@@ -55,10 +55,11 @@ from swarmnode.swarm.many_peers import ManyPeerFetch
 from swarmnode.swarm.membership import DuplicateIdentity, Membership
 from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
 from swarmnode.swarm.rounds import RoundResult
+from swarmnode.swarm.shards import ShardClaims
 from swarmnode.util import clock, faults
 from swarmnode.util.aio import settle
 from swarmnode.util.errors import ConfigError, StateNotSaved
-from swarmnode.util.labels import RecoverySource, RoundFailure
+from swarmnode.util.labels import CursorSource, RecoverySource, RoundFailure
 from swarmnode.util.metrics import Metrics
 from swarmnode.util.threads import LEDGER_THREAD, OwnedThread, TrainingThread
 
@@ -113,7 +114,7 @@ def _assemble(
     identity = Identity.load_or_create(cfg.identity_path)
     checked.security.check_node_certificate(identity.node_id_hex)
     configure_determinism(checked.device, cfg.threads)
-    shard = cfg.shard if cfg.shard is not None else shard_for_node(identity.node_id, cfg.num_shards)
+    shard = cfg.shard or 0  # (moved to the shard the node claims once the DHT runs: swarm/shards.py)
     loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
     diloco = DilocoConfig(
         inner_lr=cfg.inner_lr,
@@ -160,15 +161,15 @@ def _assemble(
         lock,
         fresh,
     )
-    _log_built(parts, checked.corpus.description, len(checked.corpus.tokens), shard)
+    _log_built(parts, checked.corpus.description, len(checked.corpus.tokens))
     return parts
 
 
-def _log_built(parts: NodeParts, corpus: str, tokens: int, shard: int) -> None:
+def _log_built(parts: NodeParts, corpus: str, tokens: int) -> None:
     cfg, run = parts.cfg, parts.run
     logger.info(
         "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, sha256 %s…), "
-        "shard %d/%d",
+        "%d shards",
         run.identity.node_id[:12],
         cfg.run_id,
         cfg.model,
@@ -178,7 +179,6 @@ def _log_built(parts: NodeParts, corpus: str, tokens: int, shard: int) -> None:
         corpus,
         tokens,
         run.identity.corpus_digest[:12],
-        shard,
         cfg.num_shards,
     )
 
@@ -258,6 +258,7 @@ class Node:
             progress,
         )
         self.node_id = parts.run.identity.node_id
+        self._ports = services.ports
         self._loop = asyncio.get_running_loop()
         self.stop = threading.Event()
         self._pending_receipt: Receipt | None = None  # training thread only, like `_snapshot_due`
@@ -286,6 +287,15 @@ class Node:
         self.reachability = services.reachability
         board.reachability = lambda: str(self.reachability.mode)
         board.snapshot_error = lambda: parts.checkpointer.save_health().describe()
+        self.shard_claims = ShardClaims(
+            services.dht,
+            parts.dht_run,
+            parts.run.identity,
+            cfg.num_shards,
+            cfg.data_dir,
+            cfg.shard_claim_ttl_s,
+            pinned=cfg.shard,
+        )
         self.recovery = Recovery(
             parts.run,
             training,
@@ -303,6 +313,7 @@ class Node:
         prober = asyncio.create_task(self.reachability.run(), name="reachability")
         try:
             await self._wait_for_peers()  # (a client is in nobody's routing table: it must know first)
+            await self._claim_shard()
             await self._recover()
             reporter = asyncio.create_task(
                 report_progress(self.progress, self.cfg.progress_interval_s, self.progress_sample)
@@ -536,7 +547,8 @@ class Node:
             return False
         self.board.phase = Phase.REPAIRING
         behind = not agreeing  # a straggler must move ahead; a node astray may stay at its step
-        if await self.recovery.repair(ahead, outer + 1 if behind else outer) is None:
+        repaired = await self.recovery.repair(ahead, outer + 1 if behind else outer)
+        if repaired is None:
             return False
         self.rounds.reset_hold()
         self.board.repairs += 1
@@ -545,7 +557,7 @@ class Node:
         await self.ledger_thread.run(
             self.parts.ledger.adopt,
             {"shard": shard, "epoch": epoch, "position": position},
-            "repair",
+            CursorSource.TAKEOVER if repaired.cursor_source == CursorSource.TAKEOVER else "repair",
             sample.outer_step,
         )
         self.metrics.repairs.inc()
@@ -608,6 +620,13 @@ class Node:
             seen = await self.membership.members_seen()
         logger.info("%d peers of the run known: %s", len(seen), ", ".join(sorted(s[:12] for s in seen)))
 
+    async def _claim_shard(self) -> None:
+        """The shard this node trains: kept, pinned or claimed in the DHT (swarm/shards.py)."""
+        shard = await self.shard_claims.claim(self.stop)
+        if shard != self.run_state.loader.shard:
+            await self.training.run(self.run_state.assign_shard, shard)
+            write_node_file(self.cfg, self._ports, self.run_state)  # (it names the shard)
+
     async def _recover(self) -> None:
         self.board.phase = Phase.RECOVERING
         receipt = await restore_at_start(
@@ -616,7 +635,8 @@ class Node:
         sample = self.run_state.sample
         shard, epoch, position = sample.committed_cursor
         committed = {"shard": shard, "epoch": epoch, "position": position}
-        await self.ledger_thread.run(self.parts.ledger.adopt, committed, receipt.source, sample.outer_step)
+        source = CursorSource.TAKEOVER if receipt.cursor_source == CursorSource.TAKEOVER else receipt.source
+        await self.ledger_thread.run(self.parts.ledger.adopt, committed, source, sample.outer_step)
         self.metrics.recoveries.labels(receipt.source).inc()
         self.metrics.recovery_seconds.set(receipt.seconds)
         await self.training.run(self._hold_receipt, receipt)

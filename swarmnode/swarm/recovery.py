@@ -261,6 +261,9 @@ class Recovery:
             mine = self._lineage_cursor(meta.swarm_cursors)
             if mine is not None:
                 return CursorChoice(mine, CursorSource.ROUND_METADATA, steps)
+            taken = self._takeover_cursor(meta.swarm_cursors)
+            if taken is not None:
+                return CursorChoice(taken, CursorSource.TAKEOVER, steps)
             return CursorChoice(
                 {"shard": self.run.loader.shard, "epoch": 0, "position": 0}, CursorSource.FRESH, steps
             )
@@ -362,6 +365,17 @@ class Recovery:
         mine = lineage.get(self.run.identity.node_id) if lineage is not None else None
         return dict(mine) if mine and self._resumable(mine) else None
 
+    def _takeover_cursor(self, lineage: Mapping[str, dict[str, int]] | None) -> dict[str, int] | None:
+        """The furthest committed cursor other nodes reached on this node's shard in the lineage: where
+        a shard this node took over (swarm/shards.py) goes on, so no batch is lost or trained twice."""
+        shard = self.run.loader.shard
+        on_shard = [
+            dict(cursor)
+            for node, cursor in (lineage or {}).items()
+            if node != self.run.identity.node_id and cursor.get("shard") == shard and self._resumable(cursor)
+        ]
+        return max(on_shard, key=lambda c: (c["epoch"], c["position"]), default=None)
+
     def _resumable(self, cursor: Any) -> bool:
         """Whether this node's loader can resume `cursor` (its shard, within it): a record that came
         from a peer or the DHT is checked before it is chosen, so a bad one is passed over, not fatal."""
@@ -384,6 +398,9 @@ class Recovery:
             steps = (own.inner_step, 0) if own is not None else (0, 0)
             return CursorChoice(mine, CursorSource.ROUND_METADATA, steps)
         options = [CursorChoice(None, CursorSource.FRESH, (0, 0))]
+        taken = self._takeover_cursor(lineage)
+        if taken is not None:  # (an own snapshot or announcement further on the shard still wins)
+            options.append(CursorChoice(taken, CursorSource.TAKEOVER, (0, 0)))
         if own is not None and own.cursor is not None:
             options.append(CursorChoice(own.cursor, CursorSource.ANNOUNCEMENT, (own.inner_step, 0)))
         for local in self.local:  # a file set aside as corrupt still says how far this node got

@@ -27,6 +27,8 @@ class CursorSource(StrEnum):
     OWN_SNAPSHOT = "own_snapshot"
     ANNOUNCEMENT = "announcement"
     ROUND_METADATA = "round_metadata"
+    TAKEOVER = "takeover"
+    """Another node's committed cursor on the shard this node claimed (swarm/shards.py)."""
     FRESH = "fresh"
 
 

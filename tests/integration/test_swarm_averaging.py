@@ -90,9 +90,9 @@ def test_two_nodes_fp32_match_a_single_process_reference(tmp_path: Path, reaper)
     nodes = start_swarm(
         reaper, tmp_path, 2, [*SWARM, "--wire-dtype", "fp32", "--max-outer-steps", "3", "--wait-peers", "1"]
     )
-    shards = [n.info["shard"] for n in nodes]
     for node in nodes:
         assert node.wait(120) == 0, node.log()[-3000:]
+    shards = [n.info["shard"] for n in nodes]  # (node.json names the shard once the node claimed it)
     expected = reference_globals(shards, 3, 10)
     for outer in (1, 2, 3):
         metas = [cold_metadata(n)[outer] for n in nodes]

@@ -229,8 +229,8 @@ def test_status_into_a_closed_pipe_exits_quietly() -> None:
 CURSOR = {"shard": 3, "epoch": 0, "position": 0}
 
 
-def at(position: int) -> dict[str, int]:
-    return {**CURSOR, "position": position}
+def at(position: int, shard: int = 3) -> dict[str, int]:
+    return {**CURSOR, "shard": shard, "position": position}
 
 
 def write_ledger(data_dir: Path, node_id: str, second_round_start: int) -> None:
@@ -250,7 +250,8 @@ def test_ledger_check_prints_one_line_per_node_and_fails_on_a_violation(
     write_ledger(bad, "bb" * 20, 48)  # its second round skips 8 windows
     code, out, err = run_cli(capsys, "ledger", "check", str(good))
     assert (code, err) == (0, []) and out.splitlines() == [
-        f"{good}: node {'aa' * 6}: ok (2 rounds in the chain, 0 trained again)"
+        f"{good}: node {'aa' * 6}: ok (2 rounds in the chain, 0 trained again)",
+        f"shard 3: e0:0→e0:80 by {'aa' * 6} (rounds 0–1)",  # the swarm-wide view
     ]
     code, out, err = run_cli(capsys, "ledger", "check", str(good), str(bad))
     lines = out.splitlines()
@@ -276,18 +277,20 @@ def test_ledger_check_holds_the_nodes_against_each_other(
         (survivor, Ledger(tmp_path / "s", survivor)),
         (victim, Ledger(tmp_path / "v", victim)),
     ):
-        ledger.adopt(CURSOR, "fresh", 0)
-        ledger.round(0, at(0), at(40))
+        shard = 2 if node_id == survivor else 3  # (each its own shard: they train no batch twice)
+        ledger.adopt(at(0, shard), "fresh", 0)
+        ledger.round(0, at(0, shard), at(40, shard))
         ledger.settle(0, "applied", 2, "d1", group=(survivor, victim), included=(survivor, victim))
-        ledger.round(1, at(40), at(80))
+        ledger.round(1, at(40, shard), at(80, shard))
         if node_id == survivor:
             ledger.settle(1, "applied", 2, "d2", group=(survivor, victim), included=(survivor,))
         else:
-            ledger.adopt(at(80), "peer", 2)  # it came back past round 1, as if its batches were in
+            ledger.adopt(at(80, shard), "peer", 2)  # it came back past round 1, as if its batches were in
     code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path / "s"), str(tmp_path / "v"))
     lines = out.splitlines()
-    assert code == 1 and len(lines) == 3 and all(" ok (" in line for line in lines[:2]), out
-    assert lines[2].startswith("across nodes: ") and "round 1" in lines[2] and victim[:12] in lines[2]
+    assert code == 1 and len(lines) == 5 and all(" ok (" in line for line in lines[:2]), out
+    assert lines[2].startswith("shard 2: ") and lines[3].startswith("shard 3: ")
+    assert lines[4].startswith("across nodes: ") and "round 1" in lines[4] and victim[:12] in lines[4]
     code, out, _ = run_cli(capsys, "ledger", "check", str(tmp_path / "s"), str(tmp_path / "v"), "--json")
     assert code == 1 and len(json.loads(out)["across_nodes"]) == 1
 

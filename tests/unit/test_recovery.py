@@ -93,3 +93,26 @@ def test_a_failed_recovery_from_many_peers_falls_back_to_one_peer_at_a_time() ->
     assert tried == ["0a" * 20, "0b" * 20, "0c" * 20]  # then each candidate whole, as with K = 1
     assert reasons == ["refused", "unreachable", "unreachable", "unreachable"]
     assert receipt.failed_candidates[0].startswith("many peers at outer step 3: refused")
+
+
+def test_a_shard_taken_over_resumes_at_the_furthest_committed_cursor_others_reached() -> None:
+    """A node without a record of its own in the adopted lineage, on a shard others trained (it claimed a
+    departed node's shard): it goes on where the lineage says that shard's batches are in the model."""
+    run = trained_run("tiny", 0, 64, 2)
+    training = TrainingThread()
+    try:
+        recovery = Recovery(run, training, fetch=None, on_failure=lambda reason: None)  # type: ignore[arg-type]
+        shard = run.loader.shard
+        lineage = {
+            "0a" * 20: {"shard": shard, "epoch": 0, "position": 40},
+            "0b" * 20: {"shard": shard, "epoch": 0, "position": 80},
+            "0c" * 20: {"shard": shard + 1, "epoch": 3, "position": 200},  # another shard's
+        }
+        taken = recovery._own_cursor(None, lineage)
+        assert taken.source == "takeover" and taken.cursor == lineage["0b" * 20]
+        mine = {"shard": shard, "epoch": 0, "position": 8}
+        own = recovery._own_cursor(None, {**lineage, run.identity.node_id: mine})
+        assert own.source == "round_metadata" and own.cursor == mine  # its own record wins
+        assert recovery._own_cursor(None, {}).source == "fresh"
+    finally:
+        training.close()
