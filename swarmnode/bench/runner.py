@@ -37,7 +37,7 @@ import torch
 
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.presets import preset
+from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
@@ -163,16 +163,16 @@ BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
-    """A training run of the preset after `train_steps` inner steps, so weights and Adam moments are
-    realistic (0: none here, nor any call that needs the training thread; the caller may train it on
-    its own)."""
+def trained_run(model_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
+    """A training run of the model (a --model value) after `train_steps` inner steps, so weights and
+    Adam moments are realistic (0: none here, nor any call that needs the training thread; the caller
+    may train it on its own)."""
     corpus = default_corpus()
-    model_cfg = preset(preset_name, corpus.vocab_size)
-    loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
-    digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
-    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
-    run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
+    model = load_model_spec(model_name, corpus.vocab_size)
+    loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model.context or seq_len), seed=0)
+    digest = run_digest(model, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
+    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, model.label)
+    run = TrainingRun(model, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
     if train_steps > 0:
         run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from swarmnode.core.presets import MODEL_PRESETS
+from swarmnode.core.model_choice import check_model_choice
 from swarmnode.node.config import FLAG_BY_FIELD, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
 from swarmnode.util.errors import ConfigError, StateNotSaved
@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan"],
         help="which benchmark",
     )
-    bench.add_argument("--model", choices=MODEL_PRESETS, default="small")
+    bench.add_argument(
+        "--model",
+        type=check_model_choice,
+        default="small",
+        metavar="tiny|small|base|hf:PATH|py:MOD:FN",
+        help="the model to measure (hf:/py: for train, snapshot, fetch and recovery)",
+    )
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument(
         "--rounds",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
-from swarmnode.core.presets import MODEL_PRESETS
+from swarmnode.core.model_choice import check_model_choice
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.swarm.grouping import MIN_GROUP_SIZE
@@ -362,9 +362,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "model",
-        _choice(MODEL_PRESETS),
-        "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
-        choices=MODEL_PRESETS,
+        check_model_choice,
+        "what to train: a GPT preset tiny (~0.5M params), small (~10M), base (~100M); "
+        "hf:PATH, a local transformers causal LM (config or checkpoint dir); py:package.module:factory, "
+        "your own nn.Module (docs/models.md)",
+        metavar="tiny|small|base|hf:PATH|py:MOD:FN",
     ),
     Flag(
         "data",
@@ -417,7 +419,7 @@ FLAGS: tuple[Flag, ...] = (
         "factor); 0: DiLoCo's θ ← θ_global",
     ),
     Flag("batch_size", _positive_int, "sequences per inner step"),
-    Flag("seq_len", _positive_int, "tokens per sequence (at most the preset's context)"),
+    Flag("seq_len", _positive_int, "tokens per sequence (at most the model's context)"),
     Flag("num_shards", _positive_int, "shards the training data is cut into (must agree across the run)"),
     Flag("shard", _non_negative_int, "this node's shard (default: chosen from the node id)"),
     Flag("hot_every", _positive_int, "inner steps between hot (speculative, background) snapshots"),

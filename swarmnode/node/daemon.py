@@ -109,12 +109,10 @@ def _assemble(
         fragments=cfg.fragments,
     )
     corpus_digest = checked.corpus.digest
-    digest = run_digest(
-        cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
-    )
-    run_identity = RunIdentity(cfg.run_id, identity.node_id_hex, digest, corpus_digest, cfg.model)
+    digest = run_digest(checked.model, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest)
+    run_identity = RunIdentity(cfg.run_id, identity.node_id_hex, digest, corpus_digest, checked.model.label)
     run = TrainingRun(
-        checked.model_cfg, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
+        checked.model, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
     )
     checkpointer = SpeculativeCheckpointer(
         CheckpointerConfig(
