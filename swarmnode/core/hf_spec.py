@@ -41,9 +41,11 @@ _VOLATILE_KEYS = ("transformers_version", "_name_or_path")
 def transformers_module() -> ModuleType:
     """`transformers`, or ConfigError naming the extra that brings it."""
     try:
-        return importlib.import_module("transformers")
+        transformers = importlib.import_module("transformers")
     except ImportError:
         raise ConfigError("--model: hf: models need transformers: pip install 'swarmnode[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # (the node logs; a bar on stderr is noise)
+    return transformers
 
 
 @dataclass(frozen=True)
