@@ -54,7 +54,7 @@ class ModelSpec(Protocol):
 
     def export_hf(self, module: nn.Module, out: Path) -> None:
         """Write `module` (trained weights loaded) into the empty directory `out` so that
-        `AutoModelForCausalLM.from_pretrained(out)` loads it; ValueError where that is impossible."""
+        `AutoModelForCausalLM.from_pretrained(out)` loads it; ConfigError where that is impossible."""
 
 
 def load_model_spec(choice: str | ModelChoice, vocab_size: int) -> ModelSpec:

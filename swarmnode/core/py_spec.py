@@ -68,7 +68,7 @@ class PySpec:
         """Only a factory that returns a `transformers` model (it has `save_pretrained`) exports as one."""
         save = getattr(module, "save_pretrained", None)
         if save is None:
-            raise ValueError(
+            raise ConfigError(
                 f"--format hf: py:{self.target} is no transformers model; use --format safetensors"
             )
         save(out, safe_serialization=True)
