@@ -84,8 +84,8 @@ class _Proposals:
     def __init__(self) -> None:
         self.matchmaker: Matchmaker | None = None
 
-    async def __call__(self, spec: GroupSpec) -> bool:
-        return self.matchmaker is not None and await self.matchmaker.on_proposal(spec)
+    async def __call__(self, spec: GroupSpec, proposer: str | None) -> GroupSpec | None:
+        return None if self.matchmaker is None else await self.matchmaker.on_proposal(spec, proposer)
 
     async def led_group(self, run_id: str, outer_step: int, wait_s: float) -> GroupSpec | None:
         if self.matchmaker is None:
@@ -158,7 +158,9 @@ async def start_services(
         on_mode=metrics.set_reachability,
         channels=channels,
     )
-    matchmaker = _matchmaker(cfg, dht, node_id, address, dht_run, run_digest, channels, reachability, trust)
+    matchmaker = _matchmaker(
+        cfg, dht, node_id, address, dht_run, run_digest, channels, reachability, trust, metrics
+    )
     proposals.matchmaker = matchmaker
     rounds = SwarmRounds(matchmaker, averaging, node_id, cfg.min_coverage, metrics, channels)
     _log_listening(cfg, ports)
@@ -187,6 +189,7 @@ def _matchmaker(
     channels: rpc.ChannelCache,
     reachability: ReachabilityMonitor,
     trust: AveragingTrust,
+    metrics: Metrics,
 ) -> Matchmaker:
     return Matchmaker(
         dht,
@@ -201,6 +204,7 @@ def _matchmaker(
         reachable=reachability.reachable,
         fetch_group=functools.partial(fetch_group, channels=channels, trust=trust),
         group_size=cfg.group_size,
+        on_refused=lambda reason: metrics.rpc_rejected.labels(reason).inc(),
     )
 
 

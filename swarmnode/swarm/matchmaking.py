@@ -6,7 +6,12 @@ as of the round's start, its token weight and its data cursor. It then reads the
 leader — earliest deadline, then lowest node id, among the offers a node sees with its own run digest —
 freezes the group at its deadline (or as soon as every node it expects has offered) and proposes it
 to every member over gRPC, so all members agree on the group and its order. A member accepts the first
-proposal for the round that includes it. A leader that sends no proposal by its deadline plus a grace
+proposal for the round that includes it and that the round's signed offers bear out (`_proposal_refusal`):
+its signer is the leader matchmaking's rule designates among them (or one of the next MAX_LEADER_FAILOVERS
+in rank, see below), and each member it names published an offer for the round saying just what the
+group says of it. Anything else — a stranger's group, one that adds a member who never offered, or
+changes a member's weight — is refused and counted. The all-reduce budget a member runs with is its own
+--allreduce-timeout, whatever the proposal says. A leader that sends no proposal by its deadline plus a grace
 period (stopped, crashed or cut off after it offered) is passed over: the next reachable offer in rank
 leads the others, who all reach that conclusion at the same deadline (up to MAX_LEADER_FAILOVERS
 times a round). A node that still gets no proposal goes on alone for that round, and says so. A round
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +48,7 @@ from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.swarm import grouping
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import clock, faults
+from swarmnode.util.labels import AveragingReject
 from swarmnode.util.validate import is_sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -55,6 +62,9 @@ DEFAULT_GROUP_SIZE = 8
 """--group-size's default (README "The swarm at scale" has the measurement behind it)."""
 MAX_LEADER_FAILOVERS = 2
 """Leaders a round passes over when they send no proposal, before its members give it up."""
+MAX_PROPOSAL_READS = 2
+"""DHT reads of the round's offers that proposals may cause in one round (a flood of bad proposals
+must not turn into a flood of look-ups)."""
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -138,11 +148,12 @@ class Matchmaker:
         reachable: Callable[[], bool] = lambda: True,
         fetch_group: FetchGroup | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
+        on_refused: Callable[[str], None] = lambda reason: None,
     ) -> None:
         """`reachable()`: this node's mode now (False: a client, see the module notes); `fetch_group`:
         how a client asks a leader for its frozen group (needed once `reachable()` may be False);
         `group_size`: a round this node leads with more members averages in groups of at most this
-        many (`grouping.py`)."""
+        many (`grouping.py`); `on_refused(reason)` counts the proposals refused (`AveragingReject`)."""
         self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
@@ -154,13 +165,20 @@ class Matchmaker:
         self.timeout_s, self.allreduce_timeout_s, self.propose = timeout_s, allreduce_timeout_s, propose
         self._open_round: int | None = None
         self._proposal: asyncio.Future[GroupSpec] | None = None
+        self._round_offers: dict[str, Offer] = {}
+        """The offers of the round this node is matchmaking in, as it last read them (its own too)."""
+        self._offer_reads = 0  # DHT reads a proposal caused this round (bounded: MAX_PROPOSAL_READS)
+        self.on_refused = on_refused
         self._background: set[asyncio.Task[Any]] = set()
         self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
 
     # ----- the proposal side (called by the averaging servicer) -----
 
-    async def on_proposal(self, spec: GroupSpec) -> bool:
-        """Accept the first proposal that includes this node for the round it is matchmaking in."""
+    async def on_proposal(self, spec: GroupSpec, proposer: str | None = None) -> GroupSpec | None:
+        """Accept the first proposal that includes this node for the round it is matchmaking in, if
+        the round's offers bear it out (see the module notes); returns the group as this node runs it
+        (with its own all-reduce budget), None when it is not taken. `proposer`: the node that signed
+        it (None: nobody proven, in-process tests; the leader is then not checked)."""
         future = self._proposal
         if (
             spec.round != self._open_round
@@ -169,9 +187,35 @@ class Matchmaker:
             or spec.run_id != self.run_id
             or spec.find(self.node_id) is None
         ):
-            return False
-        future.set_result(spec)
-        return True
+            return None
+        refusal = await self._proposal_refusal(spec, proposer)
+        if future.done():  # (another proposal, or this node's own lead, came meanwhile)
+            return None
+        if refusal is not None:
+            self.on_refused(refusal)
+            logger.warning(
+                "round %d: refused group %s proposed by %s: %s",
+                spec.round,
+                spec.group_id,
+                (proposer or "?")[:12],
+                refusal,
+            )
+            return None
+        accepted = dataclasses.replace(spec, timeout_s=self.allreduce_timeout_s)
+        future.set_result(accepted)
+        return accepted
+
+    async def _proposal_refusal(self, spec: GroupSpec, proposer: str | None) -> str | None:
+        """Why the round's offers do not bear this group out (None: they do). An offer this node has
+        not seen yet makes it read the round's offers again, a bounded number of times a round."""
+        problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
+        if problem is not None and self._offer_reads < MAX_PROPOSAL_READS:
+            self._offer_reads += 1
+            self._round_offers.update(
+                _for_round(await self._current_offers(round_key(self.run_id)), spec.round)
+            )
+            problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
+        return problem
 
     # ----- the node's own matchmaking -----
 
@@ -195,6 +239,7 @@ class Matchmaker:
         )
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
+        self._round_offers, self._offer_reads = {own.node_id: own}, 0
         key = round_key(self.run_id)
         try:
             started = time.monotonic()
@@ -212,7 +257,7 @@ class Matchmaker:
 
     async def _settle(self, key: str, own: Offer, expected_peers: frozenset[str]) -> Outcome:
         assert self._proposal is not None
-        offers = {own.node_id: own}
+        offers = self._round_offers  # (the proposal side checks groups against them)
         # Stop early once every peer this node expects has offered (none expected: wait the deadline),
         # or once most of them offer for a later round: this one closed without this node.
         while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
@@ -384,7 +429,9 @@ class Matchmaker:
         )
         if answer is None:
             return None
-        if answer is False or not (isinstance(answer, GroupSpec) and await self.on_proposal(answer)):
+        if answer is False or not (
+            isinstance(answer, GroupSpec) and await self.on_proposal(answer, leader.node_id)
+        ):
             reason = f"leader {leader.node_id[:12]} froze its group without this node"
             return Outcome(None, reason=reason, missed=True)
         logger.debug("round %d: fetched group %s from its leader", answer.round, answer.group_id)
@@ -438,6 +485,27 @@ def _poll_interval(own: Offer, offers: dict[str, Offer]) -> float:
 def _leader(offers: Sequence[Offer]) -> Offer | None:
     """Who leads a round among these offers: the first-ranked reachable one (a client never leads)."""
     return min((o for o in offers if o.reachable), key=_rank, default=None)
+
+
+def _group_problem(spec: GroupSpec, proposer: str | None, offers: dict[str, Offer], me: str) -> str | None:
+    """Why `offers` (the round's, this node's own included) do not bear `spec` out: its proposer is not
+    among the leaders the round's rule designates (the first-ranked reachable offer of this node's
+    global digest, or one of the next MAX_LEADER_FAILOVERS that take over from a silent one), or a
+    member it names has no offer for the round that says what the group says of it."""
+    own = offers.get(me)
+    if own is None:
+        return AveragingReject.NOT_OFFERED
+    for member in spec.members:
+        offer = offers.get(member.node_id)
+        if offer is None or offer.member() != member:
+            return AveragingReject.NOT_OFFERED
+    if proposer is not None:
+        ranked = sorted(
+            (o for o in offers.values() if o.reachable and o.global_digest == own.global_digest), key=_rank
+        )
+        if proposer not in {o.node_id for o in ranked[: MAX_LEADER_FAILOVERS + 1]}:
+            return AveragingReject.NOT_LEADER
+    return None
 
 
 def _for_round(offers: dict[str, Offer], outer_step: int) -> dict[str, Offer]:

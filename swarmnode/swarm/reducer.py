@@ -522,7 +522,7 @@ class AveragingServicer:
     def __init__(
         self,
         node_id: str,
-        on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
+        on_proposal: Callable[[GroupSpec, str | None], Awaitable[GroupSpec | None]] | None = None,
         on_rejected: Callable[[str], None] | None = None,
         led_group: Callable[[str, int, float], Awaitable[GroupSpec | None]] | None = None,
         trust: AveragingTrust = UNCHECKED,
@@ -530,9 +530,11 @@ class AveragingServicer:
         on_excluded: Callable[[str], None] | None = None,
         lanes: bulk.BulkListener | None = None,
     ) -> None:
-        """`on_proposal(spec)` decides whether this node joins a proposed group (None: it joins every
-        valid group that names it); `on_rejected(reason)` counts requests refused as bad, late or
-        unauthenticated (`AveragingReject`); `led_group(run id, round, wait_s)` is the group this node
+        """`on_proposal(spec, proposer)` decides whether this node joins a group `proposer` (the node
+        that signed it; None when nobody is proven) proposed, and returns the group as this node runs
+        it, or None (None as the callback: it joins every valid group that names it as it is);
+        `on_rejected(reason)` counts requests refused as bad, late or unauthenticated
+        (`AveragingReject`); `led_group(run id, round, wait_s)` is the group this node
         led in that round, for a client member's `AwaitGroup` (None: it led none); `trust` signs and
         checks who speaks (`trust.py`; the default trusts every header: in-process tests only);
         `max_norm_ratio` is the robust aggregation's bound and `on_excluded(reason)` counts the
@@ -633,9 +635,10 @@ class AveragingServicer:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, f"the group is not signed by its leader ({refusal})"
             )
-        if not await self._ask(spec):
+        accepted = await self._ask(spec, self.trust.proposer(request))
+        if accepted is None:
             return pb.ProposalReply(accepted=False, reason="declined")
-        if not self.expect(spec):
+        if not self.expect(accepted):
             return pb.ProposalReply(accepted=False, reason="too many groups known, or group id reused")
         return pb.ProposalReply(accepted=True)
 
@@ -653,14 +656,14 @@ class AveragingServicer:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"group {spec.group_id} does not include it")
         return self.trust.sign_proposal(wire.spec_to_pb(spec))
 
-    async def _ask(self, spec: GroupSpec) -> bool:
+    async def _ask(self, spec: GroupSpec, proposer: str | None) -> GroupSpec | None:
         if self._on_proposal is None:
-            return True
+            return spec
         try:
-            return bool(await self._on_proposal(spec))
+            return await self._on_proposal(spec, proposer)
         except Exception:
             logger.exception("deciding on group %s failed; declining it", spec.group_id)
-            return False
+            return None
 
     async def Exchange(self, request_iterator: Any, context: Any) -> None:
         rnd, sender, lane = None, -1, None

@@ -170,6 +170,13 @@ class AveragingTrust:
             return AveragingReject.IMPERSONATION
         return None
 
+    def proposer(self, msg: pb.GroupProposal) -> str | None:
+        """The node that signed a proposal (checked by `proposal_refusal`); None when nothing is
+        checked (`SenderProof.NONE`)."""
+        if self.proof == SenderProof.NONE:
+            return None
+        return node_id_from_public_key(msg.leader_public_key).hex()
+
     def group_refusal(self, msg: pb.GroupProposal, spec: GroupSpec) -> AveragingReject | None:
         """Why a group is refused wherever it came from (a proposal, or a client member's pull): not
         signed by one of its members."""

@@ -110,6 +110,12 @@ class AveragingReject(StrEnum):
     """The caller is not the member it claims to be (or the proposal's leader is no member)."""
     CHUNK_ORDER = "chunk_order"
     """A chunk that repeats, skips or overruns the part's bytes."""
+    NOT_LEADER = "not_leader"
+    """A proposal from a node that matchmaking's rule does not make the round's leader."""
+    NOT_OFFERED = "not_offered"
+    """A proposal naming a member without a signed offer for the round that says just that."""
+    OVER_WEIGHT = "over_weight"
+    """An offer or contribution whose token weight is over what the run allows a round."""
 
 
 class Exclusion(StrEnum):

@@ -72,7 +72,7 @@ class Node:
 
 async def start_node(
     node_id: str,
-    on_proposal: Callable[[GroupSpec], Awaitable[bool]] | None = None,
+    on_proposal: Callable[[GroupSpec, str | None], Awaitable[GroupSpec | None]] | None = None,
     *,
     trust: AveragingTrust = UNCHECKED,
     on_rejected: Callable[[str], None] | None = None,
@@ -305,12 +305,12 @@ def test_more_members_than_values_leaves_empty_parts_harmless() -> None:
 def test_proposal_is_accepted_or_refused_and_carries_the_whole_group() -> None:
     seen: list[GroupSpec] = []
 
-    async def accept(spec: GroupSpec) -> bool:
+    async def accept(spec: GroupSpec, proposer: str | None) -> GroupSpec:
         seen.append(spec)
-        return True
+        return spec
 
-    async def refuse(spec: GroupSpec) -> bool:
-        return False
+    async def refuse(spec: GroupSpec, proposer: str | None) -> None:
+        return None
 
     async def scenario() -> tuple[bool, ...]:
         yes, no = await start_node("0a", accept), await start_node("0b", refuse)

@@ -84,7 +84,7 @@ def nat_swarm(reachable: list[bool], proposed: list[str]) -> list[Matchmaker]:
 
     async def propose(address: str, spec: GroupSpec, timeout: float) -> bool:
         proposed.append(address)
-        return await by_address[address].on_proposal(spec)
+        return await by_address[address].on_proposal(spec) is not None
 
     async def fetch_group(address: str, run_id: str, step: int, node_id: str, timeout: float):
         spec = await by_address[address].led_group(run_id, step, timeout)

@@ -4,11 +4,12 @@ one entry per publisher, the higher seq wins) and direct proposals instead of gR
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 from swarmnode.net.dht_records import DHTEntry
 from swarmnode.swarm.matchmaking import Matchmaker, Offer, Outcome, round_key
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
 GLOBAL_DIGEST = "cd" * 32
@@ -62,7 +63,7 @@ def swarm(count: int, timeout_s: float = 1.0) -> list[Matchmaker]:
     by_address: dict[str, Matchmaker] = {}
 
     async def propose(address: str, spec: GroupSpec, timeout: float) -> bool:
-        return await by_address[address].on_proposal(spec)
+        return await by_address[address].on_proposal(spec) is not None
 
     nodes = []
     for i in range(count):
@@ -207,3 +208,109 @@ def test_a_leader_whose_proposal_every_member_refuses_knows_it_missed_the_round(
     outcome = asyncio.run(scenario())
     assert outcome.group is None and outcome.missed, outcome
     assert "every member refused" in outcome.reason
+
+
+def proposals_under_test(count: int) -> tuple[list[Matchmaker], list[str]]:
+    """`count` nodes whose refusals are recorded in the returned list."""
+    nodes, refused = swarm(count, timeout_s=30.0), []
+    for node in nodes:
+        node.on_refused = refused.append
+    return nodes, refused
+
+
+async def offering(nodes: list[Matchmaker], step: int) -> list[asyncio.Task[Outcome]]:
+    everyone = set(nodes)
+    pending = [offer(n, step, everyone - {n}) for n in nodes]
+    await offers_in(nodes, step)  # (a node reads the offers again when a proposal needs it)
+    return pending
+
+
+def entries_of(nodes: list[Matchmaker]) -> dict[Matchmaker, DHTEntry]:
+    entries = nodes[0].dht.shared.records[round_key(nodes[0].run_id)]
+    return {n: entries[n.node_id] for n in nodes}
+
+
+async def cancel(pending: list[asyncio.Task[Outcome]]) -> None:
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+def their_group(
+    nodes: list[Matchmaker], step: int, *, extra: tuple[Member, ...] = (), timeout_s=5.0
+) -> GroupSpec:
+    offers = {n: Offer.from_entry(n.node_id, e) for n, e in entries_of(nodes).items()}
+    members = tuple(offers[n].member() for n in nodes) + extra
+    return GroupSpec("r", step, f"{step}-forged", members, "fp32", timeout_s)
+
+
+def test_a_strangers_group_is_refused_and_counted() -> None:
+    """Someone who never offered proposes the round's members plus itself (as a client member, so it
+    reduces nothing but is averaged in): every member refuses it, whoever signed it."""
+    stranger = Member("ee" * 20, "", 1e6, None, GLOBAL_DIGEST, reachable=False)
+
+    async def scenario() -> tuple[list[GroupSpec | None], list[str]]:
+        nodes, refused = proposals_under_test(3)
+        pending = await offering(nodes, 4)
+        spec = their_group(nodes, 4, extra=(stranger,))
+        answers = [
+            await n.on_proposal(spec, proposer)
+            for n in nodes
+            for proposer in (stranger.node_id, nodes[0].node_id)
+        ]
+        await cancel(pending)
+        return answers, refused
+
+    answers, refused = asyncio.run(scenario())
+    assert answers == [None] * 6
+    assert refused == ["not_offered"] * 6
+
+
+def test_a_proposal_from_a_member_the_rule_does_not_designate_is_refused() -> None:
+    """Five offerers: only the first in rank (and the next MAX_LEADER_FAILOVERS, who take over from a
+    silent one) may lead; the last one's group, though every member in it offered, is refused."""
+
+    async def scenario() -> tuple[GroupSpec | None, GroupSpec | None, list[str]]:
+        nodes, refused = proposals_under_test(5)
+        pending = await offering(nodes, 4)
+        ranked = sorted(
+            nodes, key=lambda n: (Offer.from_entry(n.node_id, entries_of(nodes)[n]).deadline, n.node_id)
+        )
+        spec = their_group(nodes, 4)
+        by_last = await ranked[1].on_proposal(spec, ranked[-1].node_id)
+        by_first = await ranked[1].on_proposal(spec, ranked[0].node_id)
+        await cancel(pending)
+        return by_last, by_first, refused
+
+    by_last, by_first, refused = asyncio.run(scenario())
+    assert by_last is None and refused == ["not_leader"]
+    assert by_first is not None and len(by_first.members) == 5
+
+
+def test_a_group_that_changes_what_a_member_offered_is_refused() -> None:
+    """The leader may not raise a member's weight (or move its cursor) beyond what that member signed."""
+
+    async def scenario() -> tuple[GroupSpec | None, list[str]]:
+        nodes, refused = proposals_under_test(3)
+        pending = await offering(nodes, 4)
+        spec = their_group(nodes, 4)
+        inflated = dataclasses.replace(spec.members[2], weight=spec.members[2].weight * 100)
+        forged = dataclasses.replace(spec, members=(*spec.members[:2], inflated))
+        answer = await nodes[1].on_proposal(forged, None)
+        await cancel(pending)
+        return answer, refused
+
+    answer, refused = asyncio.run(scenario())
+    assert answer is None and refused == ["not_offered"]
+
+
+def test_a_member_runs_the_all_reduce_with_its_own_budget_whatever_the_proposal_says() -> None:
+    async def scenario() -> GroupSpec | None:
+        nodes, _ = proposals_under_test(3)
+        pending = await offering(nodes, 4)
+        accepted = await nodes[1].on_proposal(their_group(nodes, 4, timeout_s=600.0), None)
+        await cancel(pending)
+        return accepted
+
+    accepted = asyncio.run(scenario())
+    assert accepted is not None and accepted.timeout_s == 5.0  # the node's --allreduce-timeout
