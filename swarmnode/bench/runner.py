@@ -90,7 +90,7 @@ class BenchResult:
         return json.dumps(asdict(self), indent=1)
 
     def table(self) -> str:
-        lines = [f"swarmnode bench {self.bench} (preset {self.preset}, peak RSS {self.peak_rss_mb:.0f} MB)"]
+        lines = [f"swarmnode bench {self.bench} (model {self.preset}, peak RSS {self.peak_rss_mb:.0f} MB)"]
         for f in self.figures:
             lines.append(f"  {f.name:<44} {f.value:>12.4g} {f.unit:<8} {f.note}")
         if self.ratios:
