@@ -55,6 +55,7 @@ def test_a_tiny_llama_swarm_averages_and_heals_a_wiped_node(tmp_path: Path, reap
     receipt = wait_for(lambda: read_receipts(wiped.data_dir)[1:], 90, "the wiped node's receipt")[0]
     assert receipt["source"] == "peer" and receipt["outer_step"] >= agreed
     wait_for(lambda: first_agreed_round(digests_by_round(nodes), 3, receipt["outer_step"]), 90, "3 agree")
+    assert main(["sample", nodes[0].grpc_address, "--tokens", "8", "--model", model]) == 0  # its newest
     stop_all(nodes)
     assert_ledgers_replay(nodes)
     assert cold_metadata(nodes[0])[1]["model"] == model

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hfmodels import llama_config, pretrained_llama, transformers
 
+from swarmnode.cli.main import main
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.model_spec import load_model_spec
@@ -74,3 +75,21 @@ def test_without_the_extra_the_line_names_it(tmp_path: Path, monkeypatch) -> Non
 def test_a_vocabulary_smaller_than_the_data_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="vocabulary of 128 is smaller than the data's 256"):
         load_model_spec(f"hf:{llama_config(tmp_path, vocab_size=128)}", 256)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--seq-len", "129"], "--seq-len"),  # the config's max_position_embeddings is 128
+        (["--model", "hf:/nonexistent/llama"], "--model"),
+        (["--model", "py:nonexistent_module_x:make"], "--model"),
+    ],
+)
+def test_a_start_checks_the_model_before_anything_listens(
+    argv: list[str], flag: str, tmp_path: Path, capsys
+) -> None:
+    model = ["--model", f"hf:{llama_config(tmp_path / 'llama')}"]
+    code = main(["run", "--dry-run", "--data-dir", str(tmp_path / "d"), *model, *argv])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and flag in err[0], err
+    assert not (tmp_path / "d").exists()
