@@ -37,6 +37,7 @@ import torch
 
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
+from swarmnode.core.model_choice import ModelKind, parse_model_choice
 from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.util.errors import ConfigError
@@ -100,9 +101,15 @@ class BenchResult:
         return "\n".join(lines)
 
 
+PRESET_ONLY_BENCHES = ("allreduce", "wan")
+"""Benches sized by a preset's parameter count; the others take any --model (hf:, py:)."""
+
+
 def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchResult:
     """Runs bench `name` with the knobs in `options` that are set (not None); ConfigError for a knob the
     bench does not take or a value it refuses."""
+    if name in PRESET_ONLY_BENCHES and parse_model_choice(preset_name).kind is not ModelKind.GPT:
+        raise ConfigError(f"--model: bench {name} measures the GPT presets only, got {preset_name!r}")
     bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
     knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
     accepted = inspect.signature(bench).parameters
