@@ -71,6 +71,8 @@ class HfSpec:
             raise ConfigError(
                 f"--model: cannot read {str(config_file)!r} ({exc}), got 'hf:{argument}'"
             ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--model: {str(config_file)!r} is not a JSON object, got 'hf:{argument}'")
         config = _config(transformers_module(), raw, argument)
         weights = _weights_sha256(path) if path.is_dir() else None
         canonical = {k: v for k, v in raw.items() if k not in _VOLATILE_KEYS}
