@@ -43,8 +43,8 @@ from swarmnode.bench.runner import BenchResult
 from swarmnode.core.data import Batch, Corpus, ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.fragments import FragmentPlan, round_steps
-from swarmnode.core.model import build_model, configure_determinism, count_parameters
-from swarmnode.core.presets import preset
+from swarmnode.core.model import configure_determinism, count_parameters
+from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, InnerSchedule, LrSchedule
 from swarmnode.swarm import codecs
 from swarmnode.swarm.reducer import Contribution, average
@@ -205,7 +205,8 @@ def loader(corpus: Corpus, shard: int, workers: int) -> ShardLoader:
 
 def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
     """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
-    model = build_model(preset(job.model, corpus.vocab_size), 0, torch.device("cpu"))
+    spec = load_model_spec(job.model, corpus.vocab_size)  # a preset, or an hf:/py: model
+    model = spec.build(0, torch.device("cpu"))
     cfg = DilocoConfig(
         inner_lr=job.lr,
         schedule=job.schedule,
@@ -213,7 +214,7 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
         outer_momentum=job.outer_momentum,
         outer_mix=job.outer_mix,
     )
-    return DilocoTrainer(model, cfg, torch.device("cpu"))
+    return DilocoTrainer(model, cfg, torch.device("cpu"), spec.loss)
 
 
 def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:

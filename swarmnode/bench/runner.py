@@ -39,7 +39,8 @@ import torch
 from swarmnode.bench.procs import largest_child_rss_mb
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.presets import preset
+from swarmnode.core.model_choice import ModelKind, parse_model_choice
+from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
@@ -92,7 +93,7 @@ class BenchResult:
         return json.dumps(asdict(self), indent=1)
 
     def table(self) -> str:
-        lines = [f"swarmnode bench {self.bench} (preset {self.preset}, peak RSS {self.peak_rss_mb:.0f} MB)"]
+        lines = [f"swarmnode bench {self.bench} (model {self.preset}, peak RSS {self.peak_rss_mb:.0f} MB)"]
         for f in self.figures:
             lines.append(f"  {f.name:<44} {f.value:>12.4g} {f.unit:<8} {f.note}")
         if self.ratios:
@@ -102,9 +103,15 @@ class BenchResult:
         return "\n".join(lines)
 
 
+PRESET_ONLY_BENCHES = ("allreduce", "wan")
+"""Benches sized by a preset's parameter count; the others take any --model (hf:, py:)."""
+
+
 def run_bench(name: str, preset_name: str, options: Mapping[str, Any]) -> BenchResult:
     """Runs bench `name` with the knobs in `options` that are set (not None); ConfigError for a knob the
     bench does not take or a value it refuses."""
+    if name in PRESET_ONLY_BENCHES and parse_model_choice(preset_name).kind is not ModelKind.GPT:
+        raise ConfigError(f"--model: bench {name} measures the GPT presets only, got {preset_name!r}")
     bench = getattr(importlib.import_module(f"swarmnode.bench.{name}"), f"bench_{name}")
     knobs = {k: options[k] for k in KNOBS if options.get(k) is not None}
     accepted = inspect.signature(bench).parameters
@@ -165,16 +172,16 @@ BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(preset_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
-    """A training run of the preset after `train_steps` inner steps, so weights and Adam moments are
-    realistic (0: none here, nor any call that needs the training thread; the caller may train it on
-    its own)."""
+def trained_run(model_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
+    """A training run of the model (a --model value) after `train_steps` inner steps, so weights and
+    Adam moments are realistic (0: none here, nor any call that needs the training thread; the caller
+    may train it on its own)."""
     corpus = default_corpus()
-    model_cfg = preset(preset_name, corpus.vocab_size)
-    loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model_cfg.context), seed=0)
-    digest = run_digest(preset_name, model_cfg, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
-    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, preset_name)
-    run = TrainingRun(model_cfg, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
+    model = load_model_spec(model_name, corpus.vocab_size)
+    loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model.context or seq_len), seed=0)
+    digest = run_digest(model, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
+    identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, model.label)
+    run = TrainingRun(model, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
     if train_steps > 0:
         run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

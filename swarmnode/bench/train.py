@@ -19,6 +19,12 @@ later, with the discard of the blocks retention freed, and unflushed that work w
 window. The writeback's own kernel CPU is thus charged to neither side (docs/benchmarks.md "How the
 train bench's anchor is measured" has the figures behind each of these choices).
 The best windows' ratio is printed beside it.
+
+A third anchor, the *plain loop*, takes a window after each bare one in the same worker: the model the
+spec builds, `torch.optim.AdamW` with the same groups, clip and learning rate, the same batches, and
+nothing of swarmnode's around it (no `TrainingRun`, no trainer) — what a user would write for the
+model without us. `node / plain loop` is the seam's whole cost, for a preset or an `hf:`/`py:` model
+(`--model hf:DIR`; the quality part compares presets only, so `--no-quality` with one).
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from swarmnode.bench.procs import NodeProcess, Worker, wait_until
 from swarmnode.bench.quality_sim import QualityRun, add_quality
 from swarmnode.bench.runner import BenchResult, load_note, median, trained_run
 from swarmnode.bench.worker_lines import answer_requests, say
+from swarmnode.core.data import ShardLoader
+from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.model import configure_determinism
+from swarmnode.core.model_spec import ModelSpec
 from swarmnode.util.threads import TrainingThread
 
 BATCH_SIZE = 8
@@ -63,7 +72,7 @@ def bench_train(
     result = BenchResult("train", preset_name)
     threads = torch.get_num_threads()
     window = min(NODE_HOT_EVERY, max(1, steps // 2))
-    node, bare = alternate(preset_name, threads, window, max(1, steps // window))
+    node, bare, plain = alternate(preset_name, threads, window, max(1, steps // window))
     result.add("node tokens/s (snapshots, DHT, metrics on)", max(node) * TOKENS, "tok/s", _note(node, window))
     result.add("bare training loop tokens/s", max(bare) * TOKENS, "tok/s", _note(bare, window))
     paired = median([n / b for n, b in zip(node, bare, strict=True)])
@@ -71,6 +80,12 @@ def bench_train(
         "node / bare loop tokens/s",
         paired,
         f"median of {len(node)} window pairs, target 0.95-1.02; {load_note()}",
+    )
+    result.add("plain torch loop tokens/s", max(plain) * TOKENS, "tok/s", _note(plain, window))
+    result.ratio(
+        "node / plain torch loop tokens/s",
+        median([n / p for n, p in zip(node, plain, strict=True)]),
+        f"median of {len(node)} window pairs, target >= 0.95",
     )
     result.ratio(
         "node / bare loop tokens/s (best windows)",
@@ -87,17 +102,20 @@ def _note(rates: list[float], window: int) -> str:
     return f"best of {len(rates)} windows of {window} steps, median {median(rates) * TOKENS:.0f}"
 
 
-def alternate(preset_name: str, threads: int, window: int, windows: int) -> tuple[list[float], list[float]]:
+def alternate(
+    preset_name: str, threads: int, window: int, windows: int
+) -> tuple[list[float], list[float], list[float]]:
     """Steps per second of the node and of the bare loop, window by window: the node trains a window
     (from one of its snapshots to the next), is stopped (SIGSTOP) while the bare loop trains one,
     then goes on; so both meet the machine's other load alike. The bare worker warms up for a whole
-    window first, as the node's first timed window starts after its first snapshot period."""
+    window first, as the node's first timed window starts after its first snapshot period. The plain
+    loop trains a window right after each bare one, while the node is still stopped."""
     args = [
         *("--model", preset_name, "--threads", str(threads), "--run-id", "bench-train", "--shard", "0"),
         *("--batch-size", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN), "--hot-every", str(window)),
         *("--inner-steps", "1000000", "--log-format", "json", "--progress-interval", str(PROGRESS_S)),
     ]
-    node_rates, bare_rates = [], []
+    node_rates, bare_rates, plain_rates = [], [], []
     bare_args = (preset_name, str(threads), str(window))
     with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
         worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
@@ -112,17 +130,20 @@ def alternate(preset_name: str, threads: int, window: int, windows: int) -> tupl
                 # unless flushed here, where neither window is timed.
                 os.sync()
                 bare_rates.append(window / float(worker.ask({"steps": window}, TIMEOUT_S)["seconds"]))
+                plain = worker.ask({"steps": window, "plain": True}, TIMEOUT_S)
+                plain_rates.append(window / float(plain["seconds"]))
                 node.signal(signal.SIGCONT)
                 paused = time.time() - stopped
                 end = progress.wait_for(k * window)
                 node_rates.append((end[0] - start[0]) / (end[1] - start[1] - paused))
                 start = end
-    return node_rates, bare_rates
+    return node_rates, bare_rates, plain_rates
 
 
 async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
     """The `bare-train` worker: `warmup_steps` untimed steps, then one timed window per request
-    (`{"steps": n}`: the seconds of n inner steps, measured here).
+    (`{"steps": n}`: the seconds of n inner steps, measured here; with `"plain": true`, n steps of the
+    plain loop, `PlainLoop`).
 
     The anchor: the loop a node wraps — `TrainingRun.inner_phase` on a training thread — in a worker
     process of its own, started like the node (same interpreter, environment, `--threads`,
@@ -130,6 +151,8 @@ async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
     While it trains, the node is stopped, and while the node trains, it waits on its stdin."""
     configure_determinism(torch.device("cpu"), threads)  # what `swarmnode run --threads` does
     run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE)
+    plain_run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE)  # (its spec, loader and config)
+    plain = PlainLoop(plain_run.model_spec, plain_run.loader, plain_run.trainer.cfg)
     training, stop = TrainingThread(), threading.Event()
 
     def steps(count: int) -> float:
@@ -139,14 +162,48 @@ async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
 
     try:
         await training.run(steps, warmup_steps)
+        await training.run(plain.steps, warmup_steps)
         say({"bare": True})
 
         async def window(request: dict[str, Any]) -> dict[str, Any]:
-            return {"seconds": await training.run(steps, int(request["steps"]))}
+            timed = plain.steps if request.get("plain") else steps
+            return {"seconds": await training.run(timed, int(request["steps"]))}
 
         await answer_requests(window)
     finally:
         training.close()
+
+
+class PlainLoop:
+    """The model trained as a user would without swarmnode: `spec.build`, AdamW (decay on matrices),
+    loss, backward, clip, step, on the loader's batches."""
+
+    def __init__(self, spec: ModelSpec, loader: ShardLoader, cfg: DilocoConfig) -> None:
+        self.spec, self.loader, self.cfg = spec, loader, cfg
+        self.module = spec.build(0, torch.device("cpu"))
+        params = list(self.module.parameters())
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=cfg.inner_lr,
+            betas=cfg.betas,
+            foreach=False,
+        )
+
+    def steps(self, count: int) -> float:
+        """Seconds of `count` training steps."""
+        started = time.perf_counter()
+        self.module.train()
+        for _ in range(count):
+            batch = self.loader.next_batch()
+            loss = self.spec.loss(self.module, batch.inputs, batch.targets)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip, foreach=False)
+            self.optimizer.step()
+        return time.perf_counter() - started
 
 
 class ProgressTail:

@@ -1,4 +1,4 @@
-"""`swarmnode inspect` and `swarmnode export`: look into a snapshot file, or publish its weights."""
+"""`swarmnode inspect`: look into a snapshot file (its metadata, its tensors, its hash)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from swarmnode.cli.units import size
 from swarmnode.snapshot.format import SnapshotError, parse_snapshot_name
-from swarmnode.snapshot.read import read_snapshot, verify_snapshot
-from swarmnode.snapshot.write import write_safetensors
+from swarmnode.snapshot.read import verify_snapshot
 
 
 def inspect_command(path: Path, as_json: bool, list_tensors: bool = False) -> int:
@@ -107,39 +104,3 @@ def _tensor_groups(tensors: list[dict[str, Any]]) -> str:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def export_command(path: Path, out: Path, local: bool) -> int:
-    """Write the global (default) or local weights as an ordinary safetensors file."""
-    parsed = parse_snapshot_name(path.name)
-    try:
-        loaded = read_snapshot(path, expected_id=parsed[3] if parsed else None)
-    except SnapshotError as exc:
-        print(f"swarmnode export: {path}: {exc}", file=sys.stderr)
-        return 1
-    prefix = "model/" if local else "global/"
-    weights = {
-        name[len(prefix) :]: tensor.contiguous()
-        for name, tensor in loaded.tensors.items()
-        if name.startswith(prefix)
-    }
-    if not weights:
-        print(f"swarmnode export: {path}: no {prefix}* tensors in this snapshot", file=sys.stderr)
-        return 1
-    meta = loaded.metadata
-    info = {
-        "source_snapshot": loaded.snapshot_id,
-        "run_id": str(meta.get("run_id")),
-        "model": str(meta.get("model")),
-        "outer_step": str(meta.get("outer_step")),
-        "weights": "local" if local else "global",
-        "format": "pt",
-    }
-    write_safetensors(out, weights, info)
-    total = sum(t.numel() for t in weights.values())
-    print(f"wrote {out}: {len(weights)} tensors, {total:,} parameters ({_dtype_names(weights)})")
-    return 0
-
-
-def _dtype_names(weights: dict[str, torch.Tensor]) -> str:
-    return ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()}))

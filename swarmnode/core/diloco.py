@@ -14,7 +14,7 @@ state is exposed as a flat dict of named tensors plus JSON metadata, which is wh
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +22,17 @@ import torch
 from torch import nn
 
 from swarmnode.core.data import Batch
+from swarmnode.core.model import next_token_loss
 from swarmnode.core.schedule import InnerSchedule
 
 Range = tuple[int, int]
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(module, inputs, targets) -> the batch's scalar loss (`model_spec.ModelSpec.loss`)."""
+
+
+def logits_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of a module whose forward gives [batch, time, vocab] logits."""
+    return next_token_loss(module(inputs), targets)
 
 
 @dataclass(frozen=True)
@@ -98,10 +106,14 @@ class ParamSlot:
 
 
 class DilocoTrainer:
-    """Owns θ (the model), AdamW, θ_g and the outer momentum; all state is `state_tensors()`."""
+    """Owns θ (the model), AdamW, θ_g and the outer momentum; all state is `state_tensors()`.
+    θ may be of any floating dtype; θ_g, its momentum and Δ are fp32 (the master copy). Parameters
+    shared by several modules (tied weights) are one parameter here, as `named_parameters` gives them."""
 
-    def __init__(self, model: nn.Module, cfg: DilocoConfig, device: torch.device) -> None:
-        self.model, self.cfg, self.device = model, cfg, device
+    def __init__(
+        self, model: nn.Module, cfg: DilocoConfig, device: torch.device, loss: LossFn = logits_loss
+    ) -> None:
+        self.model, self.cfg, self.device, self.loss = model, cfg, device, loss
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         self.slots = _slots(named)
@@ -151,7 +163,7 @@ class DilocoTrainer:
         self.model.train()
         inputs = batch.inputs.to(self.device, non_blocking=True)
         targets = batch.targets.to(self.device, non_blocking=True)
-        loss = self.model.loss(inputs, targets)  # type: ignore[operator]
+        loss = self.loss(self.model, inputs, targets)
         self.inner_opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
@@ -169,8 +181,7 @@ class DilocoTrainer:
             self._set_local(self.global_flat, 0)
         self.model.eval()
         losses = [
-            float(self.model.loss(b.inputs.to(self.device), b.targets.to(self.device)))  # type: ignore
-            for b in batches
+            float(self.loss(self.model, b.inputs.to(self.device), b.targets.to(self.device))) for b in batches
         ]
         if saved is not None:
             self._set_local(saved, 0)
@@ -278,10 +289,10 @@ class DilocoTrainer:
         """Every tensor of the training state, by stable name (live tensors: copy before keeping)."""
         tensors: dict[str, torch.Tensor] = {}
         for slot, p in zip(self.slots, self.params, strict=True):
-            state = self.inner_opt.state[p]
             tensors[f"model/{slot.name}"] = p.detach()
-            tensors[f"inner/{slot.name}/exp_avg"] = state["exp_avg"]
-            tensors[f"inner/{slot.name}/exp_avg_sq"] = state["exp_avg_sq"]
+            for key, value in self.inner_opt.state[p].items():  # whatever the optimizer keeps per param
+                if key != "step" and isinstance(value, torch.Tensor):
+                    tensors[f"inner/{slot.name}/{key}"] = value
         for prefix, flat in (("global", self.global_flat), ("outer_momentum", self.outer_momentum)):
             for slot in self.slots:
                 tensors[f"{prefix}/{slot.name}"] = flat[slot.offset : slot.offset + slot.numel].view(

@@ -78,8 +78,12 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.tok.weight.t()
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(inputs)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return next_token_loss(self(inputs), targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of [batch, time, vocab] logits against [batch, time] targets, in fp32."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> GPT:

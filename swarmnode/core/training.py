@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,8 +25,7 @@ import torch
 from swarmnode.core.data import Corpus, ShardLoader
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, Range
 from swarmnode.core.fragments import FragmentPlan
-from swarmnode.core.model import build_model
-from swarmnode.core.presets import ModelConfig
+from swarmnode.core.model_spec import ModelSpec
 from swarmnode.snapshot.format import SnapshotError
 from swarmnode.snapshot.metadata import SnapshotMetadata, StateMetadata
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
@@ -122,8 +121,7 @@ class RunIdentity:
 
 
 def run_digest(
-    model_name: str,
-    model_cfg: ModelConfig,
+    model: ModelSpec,
     seq_len: int,
     num_shards: int,
     seed: int,
@@ -131,9 +129,7 @@ def run_digest(
     corpus_digest: str,
 ) -> str:
     """Hash of everything that must agree across a run's nodes for their outer steps to be one."""
-    return digest_of_settings(
-        run_settings(model_name, model_cfg, seq_len, num_shards, seed, diloco, corpus_digest)
-    )
+    return digest_of_settings(run_settings(model, seq_len, num_shards, seed, diloco, corpus_digest))
 
 
 def digest_of_settings(settings: dict[str, Any]) -> str:
@@ -145,8 +141,7 @@ def settings_json(settings: dict[str, Any]) -> str:
 
 
 def run_settings(
-    model_name: str,
-    model_cfg: ModelConfig,
+    model: ModelSpec,
     seq_len: int,
     num_shards: int,
     seed: int,
@@ -155,8 +150,7 @@ def run_settings(
 ) -> dict[str, Any]:
     """Everything that must agree across a run's nodes for their outer steps to be one."""
     agreed = {
-        "model": model_name,
-        "model_cfg": asdict(model_cfg),
+        **model.describe(),  # "model", "model_cfg" (a preset: its name and shape, as ever)
         "seq_len": seq_len,
         "num_shards": num_shards,
         "seed": seed,
@@ -220,7 +214,7 @@ class TrainingRun:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model: ModelSpec,
         diloco: DilocoConfig,
         loader: ShardLoader,
         corpus: Corpus,
@@ -230,13 +224,14 @@ class TrainingRun:
         metrics: Metrics,
     ) -> None:
         self.identity, self.loader, self.metrics = identity, loader, metrics
-        self.model = build_model(model_cfg, seed, device)
+        self.model_spec = model
+        self.model = model.build(seed, device)
         # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
         # of (seed, node) so that a restarted node continues it exactly.
         torch.manual_seed(
             int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
         )
-        self.trainer = DilocoTrainer(self.model, diloco, device)
+        self.trainer = DilocoTrainer(self.model, diloco, device, model.loss)
         self.fragments = FragmentPlan(self.trainer.global_flat.numel(), diloco.fragments)
         self.progress = Progress(committed_cursor=loader.state_dict())
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)

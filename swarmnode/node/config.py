@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
-from swarmnode.core.presets import MODEL_PRESETS
+from swarmnode.core.model_choice import check_model_choice
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
@@ -313,9 +313,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "model",
-        flag_values.choice(MODEL_PRESETS),
-        "GPT preset: tiny (~0.5M params), small (~10M), base (~100M)",
-        choices=MODEL_PRESETS,
+        check_model_choice,
+        "what to train: a GPT preset tiny (~0.5M params), small (~10M), base (~100M); "
+        "hf:PATH, a local transformers causal LM (config or checkpoint dir); py:package.module:factory, "
+        "your own nn.Module (docs/models.md)",
+        metavar="tiny|small|base|hf:PATH|py:MOD:FN",
         group=FlagGroup.COMMON,
     ),
     Flag(
@@ -408,7 +410,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "seq_len",
         flag_values.positive_int,
-        "tokens per sequence (at most the preset's context)",
+        "tokens per sequence (at most the model's context)",
         group=FlagGroup.TRAINING,
     ),
     Flag(

@@ -126,20 +126,18 @@ def _assemble(
         round_tokens=cfg.round_tokens,
     )
     corpus_digest = checked.corpus.digest
-    settings = run_settings(
-        cfg.model, checked.model_cfg, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest
-    )
+    settings = run_settings(checked.model, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest)
     run_identity = RunIdentity(
         cfg.run_id,
         identity.node_id_hex,
         digest_of_settings(settings),
         corpus_digest,
-        cfg.model,
+        checked.model.label,
         settings_json(settings),
     )
     digest = run_identity.run_digest
     run = TrainingRun(
-        checked.model_cfg, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
+        checked.model, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
     )
     checkpointer = SpeculativeCheckpointer(
         CheckpointerConfig(

@@ -25,7 +25,7 @@ import torch
 
 from swarmnode.core.data import Corpus, ShardLoader, load_corpus
 from swarmnode.core.model import select_device
-from swarmnode.core.presets import ModelConfig, preset
+from swarmnode.core.model_spec import ModelSpec, load_model_spec
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
@@ -40,7 +40,7 @@ class StartChecks:
     """What the start-up checks loaded on the way; `Node.build` goes on from it."""
 
     corpus: Corpus
-    model_cfg: ModelConfig
+    model: ModelSpec
     device: torch.device
     security: Security
 
@@ -48,7 +48,7 @@ class StartChecks:
 def preflight(cfg: NodeConfig) -> StartChecks:
     """Every check a start makes before anything listens, with no side effect (`--dry-run` runs it
     too): the data dir, the identity file, the listening host, the TLS files, the
-    device, the corpus, the preset's context and the shard loader. Raises ValueError (ConfigError or
+    device, the corpus, the model (and its context) and the shard loader. Raises ValueError (ConfigError or
     the loader's own, each one line naming the flag and the value) for the first that fails."""
     _check_writable_dir(cfg.data_dir, "--data-dir")
     _check_writable_dir(cfg.snapshot_dir, "--data-dir", cfg.data_dir)
@@ -62,14 +62,14 @@ def preflight(cfg: NodeConfig) -> StartChecks:
         corpus = load_corpus(cfg.data)
     except OSError as exc:
         raise ConfigError(f"--data: cannot read it ({exc.strerror}), got {cfg.data!r}") from None
-    model_cfg = preset(cfg.model, corpus.vocab_size)
-    if cfg.seq_len > model_cfg.context:
+    model = load_model_spec(cfg.model, corpus.vocab_size)
+    if model.context is not None and cfg.seq_len > model.context:
         raise ConfigError(
-            f"--seq-len: at most the {cfg.model} preset's context {model_cfg.context}, got {cfg.seq_len}"
+            f"--seq-len: at most the context {model.context} of --model {cfg.model}, got {cfg.seq_len}"
         )
     # Every shard has the same length, so the node's own (not known before its key exists) builds too.
     ShardLoader(corpus, cfg.shard or 0, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return StartChecks(corpus, model_cfg, device, security)
+    return StartChecks(corpus, model, device, security)
 
 
 def exposure_warning(cfg: NodeConfig) -> str | None:

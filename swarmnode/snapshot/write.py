@@ -286,8 +286,11 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     tmp = path.with_name(path.name + ".part")
-    with tmp.open("wb") as f:
-        f.write(len(body).to_bytes(8, "little") + body)
-        for tensor in tensors.values():
-            f.write(tensor_bytes(tensor.contiguous()).data)
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(len(body).to_bytes(8, "little") + body)
+            for tensor in tensors.values():
+                f.write(tensor_bytes(tensor.contiguous()).data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # (a failed write leaves no `.part` behind)

@@ -27,6 +27,7 @@ from swarmnode.net.state_ranges import RangeManifest
 from swarmnode.snapshot.format import SnapshotError, SnapshotInfo
 from swarmnode.snapshot.ranges import (
     DEFAULT_RANGE_BYTES,
+    PLANES,
     RAW,
     BlobLayout,
     EncodedRange,
@@ -51,11 +52,18 @@ class HeldRanges:
     copy is then dropped. Only the event loop replaces an entry; what a worker thread sees is immutable
     bytes."""
 
-    def __init__(self, manifest: RangeManifest, raw: dict[str, list[bytes]]) -> None:
+    def __init__(
+        self,
+        manifest: RangeManifest,
+        raw: dict[str, list[bytes]],
+        element_bytes: dict[str, int] | None = None,
+    ) -> None:
         self.manifest = manifest
         self._ranges: dict[str, list[EncodedRange]] = {
             root: [(RAW, data) for data in pieces] for root, pieces in raw.items()
         }
+        self._element_bytes = element_bytes or {}
+        """Per root: the element size its ranges are cut in byte planes by (`ranges.encode_range`)."""
         self._encoded: set[tuple[str, int]] = set()
 
     async def range(self, root: str, index: int) -> EncodedRange | None:
@@ -65,7 +73,8 @@ class HeldRanges:
         if not 0 <= index < len(ranges):
             raise RangeError(f"range {index} of {len(ranges)}")
         if (root, index) not in self._encoded:
-            encoded = await asyncio.to_thread(encode_range, ranges[index][1])
+            width = self._element_bytes.get(root, PLANES)
+            encoded = await asyncio.to_thread(encode_range, ranges[index][1], width)
             if (root, index) not in self._encoded:  # (two asks at once: the first to finish is kept)
                 ranges[index] = encoded
                 self._encoded.add((root, index))
@@ -106,11 +115,16 @@ def read_ranges(info: SnapshotInfo, template: TensorTemplate, range_bytes: int) 
     del loaded
     for name in [n for n in tensors if n.startswith("model/")]:
         del tensors[name]  # never served: a peer adopting this state restarts its round from θ_g
-    shared = cut_blob(tensors, shared_layout(template), range_bytes)
-    node = cut_blob(tensors, node_layout(template), range_bytes)
+    shared_blob, node_blob = shared_layout(template), node_layout(template)
+    shared = cut_blob(tensors, shared_blob, range_bytes)
+    node = cut_blob(tensors, node_blob, range_bytes)
     shared_ranges, node_ranges = hashed(shared, range_bytes), hashed(node, range_bytes)
     manifest = RangeManifest(info.outer_step, info.snapshot_id, shared_ranges, node_ranges, metadata)
-    return HeldRanges(manifest, {shared_ranges.root: shared, node_ranges.root: node})
+    return HeldRanges(
+        manifest,
+        {shared_ranges.root: shared, node_ranges.root: node},
+        {shared_ranges.root: shared_blob.element_bytes, node_ranges.root: node_blob.element_bytes},
+    )
 
 
 class SnapshotRanges:

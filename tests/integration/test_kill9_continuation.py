@@ -48,18 +48,36 @@ def final_state(data_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return loaded.tensors, loaded.metadata
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, run_args) -> tuple[dict[str, torch.Tensor], dict]:
+def straight_run(tmp_path_factory, args: tuple[str, ...], name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The final state of the run with `args`, never interrupted."""
     from swarmtest import ProcessReaper
 
     reaper = ProcessReaper()
     try:
-        data_dir = tmp_path_factory.mktemp("straight")
-        node = reaper.node(data_dir, run_args).start()
+        data_dir = tmp_path_factory.mktemp(name)
+        node = reaper.node(data_dir, args).start()
         assert node.wait(180) == 0, node.log()
         return final_state(data_dir)
     finally:
         reaper.kill_all()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, run_args) -> tuple[dict[str, torch.Tensor], dict]:
+    return straight_run(tmp_path_factory, run_args, "straight")
+
+
+@pytest.fixture(scope="module")
+def hf_run_args(tmp_path_factory, run_args) -> tuple[str, ...]:
+    """The same run with a tiny Llama (`hf:` config) instead of the `tiny` preset."""
+    from hfmodels import llama_config
+
+    return (*run_args, "--model", f"hf:{llama_config(tmp_path_factory.mktemp('llama'))}")
+
+
+@pytest.fixture(scope="module")
+def hf_uninterrupted(tmp_path_factory, hf_run_args) -> tuple[dict[str, torch.Tensor], dict]:
+    return straight_run(tmp_path_factory, hf_run_args, "straight-hf")
 
 
 def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
@@ -95,6 +113,18 @@ def test_killed_run_continues_bit_identically(
     assert resumed["first_loss_after"] is not None and resumed["inner_step"] > 0
     if fault == "kill@inner_step#17":
         assert resumed["inner_step"] <= 17
+
+
+def test_killed_hf_run_continues_bit_identically(
+    tmp_path: Path, reaper, hf_uninterrupted, hf_run_args
+) -> None:
+    first = reaper.node(tmp_path, hf_run_args, faults="kill@inner_step#17").start()
+    assert first.wait(180) == -signal.SIGKILL, first.log()
+    second = reaper.node(tmp_path, hf_run_args).start()
+    assert second.wait(180) == 0, second.log()
+    assert_same_run(final_state(tmp_path), hf_uninterrupted)
+    assert hf_uninterrupted[1]["model"].startswith("hf:")
+    assert any(name.startswith("inner/model.layers.0.") for name in hf_uninterrupted[0])
 
 
 # The same 36 inner steps in rounds of 4, each averaging (alone) one of 3 fragments: the schedule's place

@@ -19,6 +19,8 @@ def test_bare_loop_trains_in_a_worker_of_its_own_session(tmp_path: Path) -> None
         assert os.getsid(worker.proc.pid) != os.getsid(0)
         seconds = float(worker.ask({"steps": 3}, TIMEOUT_S)["seconds"])
         assert 0 < seconds < 120
+        plain = float(worker.ask({"steps": 3, "plain": True}, TIMEOUT_S)["seconds"])  # no swarmnode around it
+        assert 0 < plain < 120
 
 
 def test_the_nodes_dirty_pages_are_flushed_while_it_is_stopped_before_each_bare_window(monkeypatch) -> None:
@@ -40,15 +42,15 @@ def test_the_nodes_dirty_pages_are_flushed_while_it_is_stopped_before_each_bare_
         events.append("sync, node stopped")
 
     def ask(self: Worker, request: dict, timeout_s: float) -> dict:
-        events.append("bare window")
+        events.append("plain window" if request.get("plain") else "bare window")
         return ask_worker(self, request, timeout_s)
 
     monkeypatch.setattr(NodeProcess, "__enter__", entered)
     monkeypatch.setattr(train.os, "sync", sync)
     monkeypatch.setattr(Worker, "ask", ask)
-    node_rates, bare_rates = train.alternate("tiny", 1, 4, 2)
-    assert len(node_rates) == len(bare_rates) == 2
-    assert events == ["sync, node stopped", "bare window"] * 2, (
+    node_rates, bare_rates, plain_rates = train.alternate("tiny", 1, 4, 2)
+    assert len(node_rates) == len(bare_rates) == len(plain_rates) == 2
+    assert events == ["sync, node stopped", "bare window", "plain window"] * 2, (
         "each flush runs with the node stopped (untimed)"
     )
 

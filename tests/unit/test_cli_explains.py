@@ -17,7 +17,7 @@ from swarmnode.bench.pki import make_ca
 from swarmnode.cli import commands, units
 from swarmnode.cli import main as cli
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.presets import preset
+from swarmnode.core.gpt_spec import GptSpec
 from swarmnode.core.training import (
     MAX_SETTINGS_BYTES,
     digest_of_settings,
@@ -120,12 +120,12 @@ def test_dry_run_prints_the_warning_on_stderr(tmp_path: Path, capsys) -> None:
 def settings(**changes: object) -> str:
     diloco = DilocoConfig(**{k: v for k, v in changes.items() if k in ("outer_lr", "fragments")})  # type: ignore[arg-type]
     seed = int(changes.get("seed", 0))  # type: ignore[call-overload]
-    return settings_json(run_settings("tiny", preset("tiny", 256), 64, 16, seed, diloco, "c0ffee"))
+    return settings_json(run_settings(GptSpec.preset("tiny", 256), 64, 16, seed, diloco, "c0ffee"))
 
 
 def test_the_run_digest_hashes_the_settings_it_reports() -> None:
     ours = json.loads(settings())
-    digest = run_digest("tiny", preset("tiny", 256), 64, 16, 0, DilocoConfig(), "c0ffee")
+    digest = run_digest(GptSpec.preset("tiny", 256), 64, 16, 0, DilocoConfig(), "c0ffee")
     assert digest == digest_of_settings(ours)
 
 

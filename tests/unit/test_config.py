@@ -296,7 +296,11 @@ def test_help_shows_one_default_and_the_choices_of_each_flag() -> None:
         if flag.choices:
             assert action.metavar == "{" + ",".join(flag.choices) + "}"
     text = parser.format_help()
-    for shown in ("--model {tiny,small,base}", "--layout {planes,plain}", "--device {auto,cpu,cuda}"):
+    for shown in (
+        "--model tiny|small|base|hf:PATH|py:MOD:FN",
+        "--layout {planes,plain}",
+        "--device {auto,cpu,cuda}",
+    ):
         assert shown in text
     assert "--wire-dtype {fp32,bf16,int8,int4}" in text
     assert actions["threads"].help == "CPU threads for torch (default: torch's own choice)"

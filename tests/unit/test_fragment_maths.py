@@ -13,7 +13,7 @@ import torch
 from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig
 from swarmnode.core.fragments import FragmentPlan, round_steps, steps_in_rounds
-from swarmnode.core.presets import preset
+from swarmnode.core.gpt_spec import GptSpec
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot
@@ -27,14 +27,14 @@ CFG = DilocoConfig(outer_lr=0.7, outer_momentum=0.9)
 def fragment_run(fragments: int, outer_mix: float = CFG.outer_mix) -> TrainingRun:
     """A tiny node's training run with `--fragments fragments` (outer steps applied by hand)."""
     corpus = default_corpus()
-    model_cfg = preset("tiny", corpus.vocab_size)
+    model = GptSpec.preset("tiny", corpus.vocab_size)
     diloco = DilocoConfig(
         outer_lr=CFG.outer_lr, outer_momentum=CFG.outer_momentum, outer_mix=outer_mix, fragments=fragments
     )
     loader = ShardLoader(corpus, 0, 16, 2, 32, seed=0)
-    digest = run_digest("tiny", model_cfg, 32, 16, 0, diloco, corpus.digest)
+    digest = run_digest(model, 32, 16, 0, diloco, corpus.digest)
     identity = RunIdentity("test", NODE_ID, digest, corpus.digest, "tiny")
-    return TrainingRun(model_cfg, diloco, loader, corpus, identity, 0, torch.device("cpu"), Metrics())
+    return TrainingRun(model, diloco, loader, corpus, identity, 0, torch.device("cpu"), Metrics())
 
 
 def train(run: TrainingRun, steps: int) -> None:
@@ -70,8 +70,9 @@ def test_the_fragments_are_equal_disjoint_ranges_taken_in_turn() -> None:
 
 def test_one_fragment_is_the_blocking_step_bit_for_bit() -> None:
     fragmented, blocking = fragment_run(1), fragment_run(1)
-    assert run_digest("tiny", preset("tiny", 256), 32, 16, 0, DilocoConfig(fragments=1), "c") == run_digest(
-        "tiny", preset("tiny", 256), 32, 16, 0, DilocoConfig(), "c"
+    tiny = GptSpec.preset("tiny", 256)
+    assert run_digest(tiny, 32, 16, 0, DilocoConfig(fragments=1), "c") == run_digest(
+        tiny, 32, 16, 0, DilocoConfig(), "c"
     )
     for _ in range(2):
         train(fragmented, 3)

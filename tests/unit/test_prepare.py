@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import zstandard
 
+from swarmnode.bench.procs import wait_until
 from swarmnode.cli.main import main
 from swarmnode.core.data import ShardLoader, default_corpus, load_corpus
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.presets import preset
+from swarmnode.core.gpt_spec import GptSpec
 from swarmnode.core.tokens import load_prepared
 from swarmnode.core.training import run_digest
-from swarmnode.bench.procs import wait_until
 
 tokenizers = pytest.importorskip("tokenizers")
 pa = pytest.importorskip("pyarrow")
@@ -140,7 +140,7 @@ def test_the_manifest_digest_is_the_run_corpus_digest(tmp_path, bpe, inputs) -> 
     assert a.digest == b.digest == load_prepared(tmp_path / "a").digest and a.vocab_size == 600
 
     def digest(corpus) -> str:
-        return run_digest("tiny", preset("tiny", corpus.vocab_size), 16, 4, 0, DilocoConfig(), corpus.digest)
+        return run_digest(GptSpec.preset("tiny", corpus.vocab_size), 16, 4, 0, DilocoConfig(), corpus.digest)
 
     assert digest(a) == digest(b)
     assert prepare([inputs["parquet"]], tmp_path / "c", "bytes") == 0
