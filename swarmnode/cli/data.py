@@ -40,7 +40,7 @@ def add_data_parser(sub: Any) -> None:
     verify = data_sub.add_parser(
         "verify", help="check a prepared directory's hashes and tokens (exit 1 if bad)"
     )
-    verify.add_argument("dir", type=Path, metavar="DIR")
+    verify.add_argument("dir", type=Path, metavar="DIR", help="a directory made by `data prepare`")
 
 
 def data_command(args: argparse.Namespace) -> int:
