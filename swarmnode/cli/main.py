@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"],
+        choices=[
+            *("snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"),
+            "attacks",
+        ],
         help="which benchmark",
     )
     bench.add_argument(

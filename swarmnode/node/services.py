@@ -125,6 +125,7 @@ async def start_services(
         trust=trust,
         max_norm_ratio=cfg.max_norm_ratio,
         on_excluded=lambda reason: metrics.averaging_excluded.labels(reason).inc(),
+        on_clipped=metrics.averaging_clipped.inc,
         lanes=lanes,
     )
     dial_back = DialBackServicer(on_dial=lambda result: metrics.dial_backs.labels(result).inc())

@@ -34,7 +34,7 @@ from swarmnode.swarm.wire import GroupSpec
 from swarmnode.util.labels import AveragingReject
 
 DEFAULT_MAX_NORM_RATIO = 8.0
-"""Default of --max-norm-ratio, the robust aggregation's bound (`reducer.robust_filter`;
+"""Default of --max-norm-ratio, the robust aggregation's bound (`aggregation.robust_filter`;
 docs/benchmarks.md "Robust aggregation's bound" has the measurement it comes from)."""
 _HEADER_TAG = b"swarmnode/v1/contribution-header\x00"
 _CHUNK_TAG = b"swarmnode/v1/contribution-chunk\x00"

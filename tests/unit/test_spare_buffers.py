@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from swarmnode.swarm import codecs
-from swarmnode.swarm.reducer import SpareBuffers, _PartRound, average
+from swarmnode.swarm.aggregation import average
+from swarmnode.swarm.reducer import SpareBuffers, _PartRound
 from swarmnode.swarm.wire import GroupSpec, Member
 
 GRAIN = SpareBuffers.GRAIN

@@ -11,7 +11,7 @@ import torch
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm import wire
-from swarmnode.swarm.reducer import average, robust_filter
+from swarmnode.swarm.aggregation import average, robust_filter
 from swarmnode.swarm.trust import AveragingTrust, SenderProof
 from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util import faults
