@@ -11,7 +11,8 @@ heavier offer before any average):
 - `noise`: random, of its Δ's norm;
 - `minus4`: −4 × the last round's average (its own Δ the first round).
 
-The figure: the honest worker 0's held-out loss after R rounds, as a ratio to the honest alone's.
+The figure: the honest worker 0's held-out loss after R rounds, as a ratio to the honest alone's; and
+the honest cost, an attack-free run's loss through the robust step against the screen alone.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class AttackRun:
 def bench_attacks(preset: str, workers: int = 4, inner_steps: int = 50, rounds: int = 10) -> BenchResult:
     result = BenchResult("attacks", preset)
     base = AttackRun(None, ROBUST, workers, workers, inner_steps, rounds, preset)
-    runs = [replace(base, workers=workers - 1), base]
+    runs = [replace(base, workers=workers - 1), base, replace(base, aggregator=SCREEN_ONLY)]
     runs += [replace(base, attack=a, aggregator=g) for a in ATTACKS for g in (SCREEN_ONLY, ROBUST)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as pool:
@@ -59,7 +60,8 @@ def bench_attacks(preset: str, workers: int = 4, inner_steps: int = 50, rounds: 
     alone = losses[0]
     result.add(f"honest alone ({workers - 1} workers), held-out loss", alone, "nats", load_note())
     result.ratio(f"attack-free, {workers} workers, robust / alone", losses[1] / alone)
-    for run, loss in zip(runs[2:], losses[2:], strict=True):
+    result.ratio("honest cost: attack-free, robust / screen only", losses[1] / losses[2])
+    for run, loss in zip(runs[3:], losses[3:], strict=True):
         result.add(f"{run.attack}, {run.aggregator}: held-out loss", loss, "nats")
         result.ratio(f"{run.attack}, {run.aggregator} / honest alone", loss / alone)
     return result

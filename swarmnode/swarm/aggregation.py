@@ -6,22 +6,24 @@ Three steps, each on one part of Δ (a reducer's slice; every member's contribut
    is over `max_norm_ratio` × the lower median of the part's norms (`--max-norm-ratio`).
 2. **CenteredClip** (`centered_clip`; Karimireddy, He and Jaggi 2021, "Learning from History for
    Byzantine Robust Optimization"; Gorbunov et al. 2022, "Secure Distributed Training at Scale", the
-   aggregator of hivemind's BTARD): start from the coordinate-wise median of the screened contributions,
-   which a minority cannot move outside the majority's per-coordinate range, and take CLIP_ITERATIONS
-   steps v ← v + Σᵢ (wᵢ/Σw) · min(1, τ/‖xᵢ − v‖) · (xᵢ − v), with the radius τ = CLIP_RADIUS × the median
-   distance of the contributions to that start. Each step moves v by at most τ, and a member of weight w
-   pulls it by at most (w/Σw)·τ whatever it sends — any direction, any norm under the screen — so a
-   minority's influence is bounded by the honest members' own spread, not by its own norm.
-3. **Mean** when nobody is far: if every screened contribution lies within τ of the start, the result
-   is the plain token-weighted mean in member order (`average`), bit for bit what an honest round gave
-   before, so honest rounds pay the median and the distances and nothing in their result.
+   aggregator of hivemind's BTARD), once any contribution lies farther than FAR × the median distance
+   of the contributions to their coordinate-wise median (a start a minority cannot move outside the
+   majority's per-coordinate range): from that start, CLIP_ITERATIONS steps
+   v ← v + Σᵢ (wᵢ/Σw) · min(1, τ/‖xᵢ − v‖) · (xᵢ − v) with the radius τ = CLIP_RADIUS × that median
+   distance. A member of weight w pulls v by at most (w/Σw)·τ a step whatever it sends — any direction,
+   any norm under the screen — so a minority's influence is bounded by the honest members' own spread,
+   not by its own norm. (A member that stays within FAR × the median distance is not clipped: its pull
+   is at most (w/Σw)·FAR times that distance, the bound's other half.)
+3. **Mean** when nobody is far: the plain token-weighted mean in member order (`average`), bit for bit
+   what an honest round gave before, so honest rounds pay the median and the distances and nothing in
+   their result.
 
 Groups of fewer than CLIP_MIN_MEMBERS take the mean after the screen: with two members neither can be
 told from the other (their median is their midpoint). The choice of CenteredClip over a coordinate-wise
 median or trimmed mean: those replace the mean in every round (a median of 3–8 noisy Δs is a worse
 estimate of their mean: the honest cost), while CenteredClip is the mean whenever nobody is far, and its
 bound holds in whole-vector terms (a median's holds per coordinate only). Measured: docs/benchmarks.md
-"Robust aggregation".
+"Robust outer step".
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ import torch
 from swarmnode.swarm import codecs
 from swarmnode.util.labels import Exclusion
 
-CLIP_RADIUS = 2.0
-"""τ as a multiple of the median distance of a part's contributions to their coordinate-wise median."""
+FAR = 2.0
+"""A contribution farther than FAR × the median distance from the coordinate-wise median makes the
+reducer clip; with none that far, the round is the plain mean."""
+CLIP_RADIUS = 1.0
+"""τ as a multiple of the median distance of a part's contributions to their coordinate-wise median
+(1.0 against 0.5 and 2.0: docs/benchmarks.md "Robust outer step")."""
 CLIP_ITERATIONS = 3
 CLIP_MIN_MEMBERS = 3
 
@@ -154,8 +160,9 @@ def centered_clip(
     centre = coordinate_median(rows)
     buffer = torch.empty_like(centre)
     distances = [_distance(x, centre, buffer) for x in rows]
-    tau = radius * statistics.median(distances)
-    if not tau > 0 or max(distances) <= tau:
+    median_distance = statistics.median(distances)
+    tau = radius * median_distance
+    if not tau > 0 or max(distances) <= FAR * median_distance:
         return None
     total = sum(weight for _, weight, _ in contributions)
     clipped: set[int] = set()
