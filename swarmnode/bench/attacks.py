@@ -28,8 +28,8 @@ from swarmnode.bench.runner import BenchResult, load_note
 from swarmnode.core.data import default_corpus
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.core.model import configure_determinism
-from swarmnode.swarm import aggregation
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
+from swarmnode.swarm.averaging import aggregation
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 
 ATTACKS = ("flip", "direction", "noise", "minus4")
 SCREEN_ONLY, ROBUST = "screen only", "robust"

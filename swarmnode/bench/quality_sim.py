@@ -22,8 +22,8 @@ steps into the next round (`DilocoTrainer.outer_step_overlapped`), `int4`, every
 average through the 4-bit wire codec, as the butterfly sends them, and `fragments`, `--fragments
 FRAGMENTS` as a node runs it (`core/fragments.py`, the same plan and outer step as `TrainingRun`):
 R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; and `robust`, every
-round's average through the node's robust outer step (screen and CenteredClip, `swarm/aggregation.py`):
-its honest cost.
+round's average through the node's robust outer step (screen and CenteredClip,
+`swarm/averaging/aggregation.py`): its honest cost.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from swarmnode.core.fragments import FragmentPlan, round_steps
 from swarmnode.core.model import configure_determinism, count_parameters
 from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, InnerSchedule, LrSchedule
-from swarmnode.swarm import codecs
-from swarmnode.swarm.aggregation import Contribution, average
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.aggregation import Contribution, average
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 
 BATCH_SIZE = 8
 SEQ_LEN = 128

@@ -2,7 +2,7 @@
 fixed identities), one of which flips its pseudo-gradient and scales it ×7 every round (under the
 default --max-norm-ratio 8, so the norm screen lets it through: `scale@delta=-7`). The honest members'
 held-out loss after ROUNDS rounds is held to that of the same honest members averaging alone (same
-identities, shards and seed): CenteredClip bounds what the attacker moves (`swarm/aggregation.py`).
+identities, shards and seed): CenteredClip bounds what the attacker moves (`swarm/averaging/aggregation.py`).
 Before CenteredClip this attack took a 3-node swarm's held-out loss from 1.74 to over 2,000 in 10 rounds."""
 
 from __future__ import annotations

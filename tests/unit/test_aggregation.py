@@ -1,5 +1,5 @@
-"""The robust outer step's maths (swarm/aggregation.py): honest rounds keep their exact mean, and one
-member in four, whatever it sends, moves the result by at most the clip radius."""
+"""The robust outer step's maths (swarm/averaging/aggregation.py): honest rounds keep their exact mean,
+and one member in four, whatever it sends, moves the result by at most the clip radius."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from swarmnode.swarm.aggregation import (
+from swarmnode.swarm.averaging.aggregation import (
     CLIP_RADIUS,
     average,
     centered_clip,

@@ -10,8 +10,8 @@ import json
 import time
 
 from swarmnode.net.dht_records import DHTEntry
-from swarmnode.swarm.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
 GLOBAL_DIGEST = "cd" * 32
@@ -180,7 +180,7 @@ def test_one_peer_offering_for_a_later_round_does_not_end_the_others_round() -> 
 def test_a_leader_that_offered_and_went_silent_is_passed_over(monkeypatch) -> None:
     """The first-ranked offer's node stops right after offering (SIGSTOP, a crash): the others do not
     each go on alone with their own Δ; they pass it over at one deadline and the next in rank leads."""
-    from swarmnode.swarm import matchmaking
+    from swarmnode.swarm.averaging import matchmaking
     from swarmnode.util import clock
 
     monkeypatch.setattr(matchmaking, "PROPOSE_TIMEOUT_S", 0.5)

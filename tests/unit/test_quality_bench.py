@@ -16,7 +16,7 @@ from swarmnode.bench.plotting import SERIES_KEY
 from swarmnode.bench.quality_plot import plot_comparison
 from swarmnode.bench.quality_sim import Comparison, Curve, Setup, Side, SideJob
 from swarmnode.bench.runner import BenchResult
-from swarmnode.swarm import codecs
+from swarmnode.swarm.averaging import codecs
 
 
 def test_simulated_average_is_the_reducers_at_equal_weights() -> None:

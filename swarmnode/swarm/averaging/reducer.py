@@ -32,10 +32,10 @@ from google.protobuf.message import DecodeError
 
 from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, grouping, wire
-from swarmnode.swarm.aggregation import Averaged, Contribution, average
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging import codecs, grouping, wire
+from swarmnode.swarm.averaging.aggregation import Averaged, Contribution, average
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.aio import settle
 from swarmnode.util.labels import AveragingReject
 

@@ -48,8 +48,8 @@ import msgspec
 
 from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
-from swarmnode.swarm import grouping
-from swarmnode.swarm.wire import MAX_WEIGHT, GroupSpec, Member
+from swarmnode.swarm.averaging import grouping
+from swarmnode.swarm.averaging.wire import MAX_WEIGHT, GroupSpec, Member
 from swarmnode.util import clock, faults
 from swarmnode.util.labels import AveragingReject
 from swarmnode.util.validate import is_sha256_hex

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmnode.swarm import codecs
+from swarmnode.swarm.averaging import codecs
 from swarmnode.util.labels import Exclusion
 
 FAR = 2.0

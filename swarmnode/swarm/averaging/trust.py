@@ -30,7 +30,7 @@ from typing import Any
 from swarmnode.net.identity import Identity, node_id_from_public_key, verify_signature
 from swarmnode.net.security import authenticated_node_id
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.labels import AveragingReject
 
 DEFAULT_MAX_NORM_RATIO = 8.0

@@ -25,12 +25,12 @@ import torch
 
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.net.rpc import ChannelCache
-from swarmnode.swarm.allreduce import butterfly_allreduce
-from swarmnode.swarm.grouping import RoundPlan
-from swarmnode.swarm.matchmaking import Matchmaker, Offer
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.twolevel import two_level_allreduce
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging.allreduce import butterfly_allreduce
+from swarmnode.swarm.averaging.grouping import RoundPlan
+from swarmnode.swarm.averaging.matchmaking import Matchmaker, Offer
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.twolevel import two_level_allreduce
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
