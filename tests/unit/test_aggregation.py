@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swarmnode.swarm.averaging.aggregation import (
+    CLIP_MIN_VALUES,
     CLIP_RADIUS,
     average,
     centered_clip,
@@ -108,3 +109,16 @@ def test_the_coordinate_median_takes_the_middle_or_the_midpoint() -> None:
     rows = [torch.tensor([1.0, 5.0]), torch.tensor([3.0, -1.0]), torch.tensor([100.0, 2.0])]
     assert torch.equal(coordinate_median(rows), torch.tensor([3.0, 2.0]))
     assert torch.equal(coordinate_median(rows[:2]), torch.tensor([2.0, 2.0]))
+
+
+def test_a_part_of_a_few_values_is_the_plain_mean() -> None:
+    """Over a few coordinates honest distances do not concentrate: four independent draws of three
+    values (the all-reduce test's case) would be clipped as if one were hostile."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(3, generator=g) for _ in range(4)]
+    averaged = average([(k, 1.0, x) for k, x in enumerate(rows)], "fp32", 3)
+    assert averaged.clipped == () and averaged.values is not None
+    assert torch.allclose(averaged.values, torch.stack(rows).mean(0))
+    wide = [torch.randn(CLIP_MIN_VALUES, generator=g) for _ in range(3)]
+    wide.append(-7 * wide[0])
+    assert 3 in average([(k, 1.0, x) for k, x in enumerate(wide)], "fp32", CLIP_MIN_VALUES).clipped

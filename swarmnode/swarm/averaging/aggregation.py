@@ -19,7 +19,10 @@ Three steps, each on one part of Δ (a reducer's slice; every member's contribut
    their result.
 
 Groups of fewer than CLIP_MIN_MEMBERS take the mean after the screen: with two members neither can be
-told from the other (their median is their midpoint). The choice of CenteredClip over a coordinate-wise
+told from the other (their median is their midpoint). So do parts of fewer than CLIP_MIN_VALUES values:
+an honest member's distance to the median concentrates only over many coordinates (over one value, one
+honest member in four lies beyond FAR × the median distance about as often as not), and a part that
+small exists only when the whole Δ has fewer than CLIP_MIN_VALUES × N values, which no model has. The choice of CenteredClip over a coordinate-wise
 median or trimmed mean: those replace the mean in every round (a median of 3–8 noisy Δs is a worse
 estimate of their mean: the honest cost), while CenteredClip is the mean whenever nobody is far, and its
 bound holds in whole-vector terms (a median's holds per coordinate only). Measured: docs/benchmarks.md
@@ -45,6 +48,7 @@ CLIP_RADIUS = 1.0
 (1.0 against 0.5 and 2.0: docs/benchmarks.md "Robust outer step")."""
 CLIP_ITERATIONS = 3
 CLIP_MIN_MEMBERS = 3
+CLIP_MIN_VALUES = 64
 
 Contribution = tuple[int, float, "torch.Tensor | bytearray | memoryview"]
 """(member index, token weight, values or their wire image)."""
@@ -152,9 +156,9 @@ def centered_clip(
 ) -> tuple[int, ...] | None:
     """CenteredClip of finite contributions into `out` (see the module notes); returns the members it
     clipped, or None — `out` untouched — when every contribution lies within the radius of the
-    coordinate-wise median or there are fewer than CLIP_MIN_MEMBERS (the weighted mean is then the
-    answer)."""
-    if len(contributions) < CLIP_MIN_MEMBERS:
+    coordinate-wise median, or there are fewer than CLIP_MIN_MEMBERS or CLIP_MIN_VALUES (the weighted
+    mean is then the answer)."""
+    if len(contributions) < CLIP_MIN_MEMBERS or contributions[0][2].numel() < CLIP_MIN_VALUES:
         return None
     rows = [values.float() for _, _, values in contributions]
     centre = coordinate_median(rows)
