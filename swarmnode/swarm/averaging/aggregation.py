@@ -22,10 +22,12 @@ Groups of fewer than CLIP_MIN_MEMBERS take the mean after the screen: with two m
 told from the other (their median is their midpoint). So do parts of fewer than CLIP_MIN_VALUES values:
 an honest member's distance to the median concentrates only over many coordinates (over one value, one
 honest member in four lies beyond FAR × the median distance about as often as not), and a part that
-small exists only when the whole Δ has fewer than CLIP_MIN_VALUES × N values, which no model has. The choice of CenteredClip over a coordinate-wise
-median or trimmed mean: those replace the mean in every round (a median of 3–8 noisy Δs is a worse
-estimate of their mean: the honest cost), while CenteredClip is the mean whenever nobody is far, and its
-bound holds in whole-vector terms (a median's holds per coordinate only). Measured: docs/benchmarks.md
+small exists only when the whole Δ has fewer than CLIP_MIN_VALUES × N values, which no model has.
+
+The choice of CenteredClip over a coordinate-wise median or trimmed mean: those replace the mean in
+every round (a median of 3–8 noisy Δs is a worse estimate of their mean: the honest cost), while
+CenteredClip is the mean whenever nobody is far, and its bound holds in whole-vector terms (a median's
+holds per coordinate only). Measured: docs/benchmarks.md
 "Robust outer step".
 """
 
