@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmnode.core.presets import ModelConfig
+from swarmnode.util.errors import ConfigError
 
 
 class CausalSelfAttention(nn.Module):
@@ -100,12 +101,19 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def select_device(choice: str) -> torch.device:
-    """`auto`: cuda when available, else cpu; `cuda` without a GPU is a usage error."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda requested but no CUDA device is available, got 'cuda'")
+    """`auto`: cuda when available, else cpu; `cuda` or `cuda:N` without that GPU is a usage error
+    (ConfigError naming --device)."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+    device = torch.device(choice)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"--device: no CUDA device is available here, got {choice!r}")
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"--device: this machine has {count} CUDA device(s), from cuda:0, got {choice!r}")
+    return device
 
 
 def configure_determinism(device: torch.device, threads: int | None) -> None:
