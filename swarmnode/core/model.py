@@ -7,6 +7,7 @@ which keeps CPU training bitwise repeatable under `configure_determinism`.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -100,9 +101,25 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+DEVICE_NAMES = ("auto", "cpu", "cuda")
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,2})")
+
+
+def check_device_choice(text: str) -> str:
+    """auto, cpu, cuda (the current GPU) or cuda:N (GPU N); ValueError otherwise. Whether the GPU
+    exists is `select_device`'s start-up check."""
+    if text not in DEVICE_NAMES and not _CUDA_INDEX.fullmatch(text):
+        raise ValueError("must be one of auto|cpu|cuda|cuda:N")
+    return text
+
+
 def select_device(choice: str) -> torch.device:
     """`auto`: cuda when available, else cpu; `cuda` or `cuda:N` without that GPU is a usage error
-    (ConfigError naming --device)."""
+    (ConfigError naming --device), as is a value that names no device."""
+    try:
+        check_device_choice(choice)
+    except ValueError as exc:
+        raise ConfigError(f"--device: {exc}, got {choice!r}") from None
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(choice)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
+from swarmnode.core.model import check_device_choice
 from swarmnode.core.model_choice import check_model_choice
 from swarmnode.core.precision import PRECISION_CHOICES
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
@@ -333,7 +334,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "device",
-        flag_values.device,
+        check_device_choice,
         "where to train: auto picks cuda when available; cuda:N picks GPU N",
         metavar="auto|cpu|cuda|cuda:N",
         details="A GPU that is not there is refused at start-up (exit 2), `--dry-run` included.",

@@ -4,7 +4,6 @@ and returns the value, or raises ValueError with the reason (`config.parse_flag`
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Callable
 
 from swarmnode.swarm.grouping import MIN_GROUP_SIZE
@@ -114,17 +113,6 @@ def zstd_level(text: str) -> int:
 def non_empty(text: str) -> str:
     if not text:
         raise ValueError("must not be empty")
-    return text
-
-
-DEVICE_NAMES = ("auto", "cpu", "cuda")
-_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,2})")
-
-
-def device(text: str) -> str:
-    """auto, cpu, cuda (the current GPU) or cuda:N (GPU N); whether it exists is a start-up check."""
-    if text not in DEVICE_NAMES and not _CUDA_INDEX.fullmatch(text):
-        raise ValueError("must be one of auto|cpu|cuda|cuda:N")
     return text
 
 
