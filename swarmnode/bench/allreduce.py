@@ -38,9 +38,9 @@ from swarmnode.bench.runner import BenchResult, median
 from swarmnode.core.model import build_model, count_parameters
 from swarmnode.core.presets import preset
 from swarmnode.net.identity import Identity
-from swarmnode.swarm.allreduce import GroupSpec
-from swarmnode.swarm.codecs import encoded_size
-from swarmnode.swarm.wire import WIRE_DTYPES, Member
+from swarmnode.swarm.averaging.allreduce import GroupSpec
+from swarmnode.swarm.averaging.codecs import encoded_size
+from swarmnode.swarm.averaging.wire import WIRE_DTYPES, Member
 from swarmnode.util.errors import ConfigError
 
 WORKER_START_S = 120.0

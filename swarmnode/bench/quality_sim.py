@@ -21,7 +21,9 @@ the overlapped outer step of `--overlap on` with each round's average landing `O
 steps into the next round (`DilocoTrainer.outer_step_overlapped`), `int4`, every Δ and every
 average through the 4-bit wire codec, as the butterfly sends them, and `fragments`, `--fragments
 FRAGMENTS` as a node runs it (`core/fragments.py`, the same plan and outer step as `TrainingRun`):
-R·K rounds of about H/K inner steps, round r averaging fragment r mod K only.
+R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; and `robust`, every
+round's average through the node's robust outer step (screen and CenteredClip,
+`swarm/averaging/aggregation.py`): its honest cost.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ from swarmnode.core.fragments import FragmentPlan, round_steps
 from swarmnode.core.model import configure_determinism, count_parameters
 from swarmnode.core.model_spec import load_model_spec
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, InnerSchedule, LrSchedule
-from swarmnode.swarm import codecs
-from swarmnode.swarm.reducer import Contribution, average
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.aggregation import Contribution, average
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 
 BATCH_SIZE = 8
 SEQ_LEN = 128
@@ -84,9 +87,10 @@ class Side(StrEnum):
     OVERLAP = "overlap"
     INT4 = "int4"
     FRAGMENTS = "fragments"
+    ROBUST = "robust"
 
 
-VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS)
+VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST)
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",
@@ -94,6 +98,7 @@ LABELS = {
     Side.OVERLAP: "DiLoCo, overlapped outer step",
     Side.INT4: "DiLoCo, int4 wire",
     Side.FRAGMENTS: f"DiLoCo, {FRAGMENTS} fragments",
+    Side.ROBUST: "DiLoCo, robust outer step",
 }
 
 
@@ -189,6 +194,7 @@ def train_side(job: SideJob) -> Curve:
         Side.OVERLAP: _diloco_rounds,
         Side.INT4: _diloco_rounds,
         Side.FRAGMENTS: _fragment_rounds,
+        Side.ROBUST: _diloco_rounds,
     }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
@@ -239,7 +245,8 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
         for trainer, shard_loader in zip(trainers, loaders, strict=True):
             for _ in range(job.inner_steps - early):
                 trainer.inner_step(shard_loader.next_batch())
-        averaged = group_average([t.pseudo_gradient().clone() for t in trainers], wire)
+        deltas = [t.pseudo_gradient().clone() for t in trainers]
+        averaged = group_average(deltas, wire, robust=job.side == Side.ROBUST)
         if overlap:
             pending = averaged
             continue
@@ -273,13 +280,14 @@ def _fragment_rounds(corpus: Corpus, job: SideJob) -> Any:
             yield trainers[0], True
 
 
-def group_average(deltas: Sequence[torch.Tensor], wire: str) -> AveragedDelta:
-    """The reducer's average (`swarm.reducer.average`) of the workers' Δs at equal weights, screening
-    off: each Δ goes in as the wire image a reducer receives and the average comes out through the
-    codec, as the butterfly sends them (fp32: Σᵢ Δᵢ / W in member order); what every member applies."""
+def group_average(deltas: Sequence[torch.Tensor], wire: str, robust: bool = False) -> AveragedDelta:
+    """The reducer's average (`swarm.aggregation.average`) of the workers' Δs at equal weights,
+    screening off (`robust`: the node's robust outer step, screen and CenteredClip): each Δ goes in as
+    the wire image a reducer receives and the average comes out through the codec, as the butterfly
+    sends them (fp32: Σᵢ Δᵢ / W in member order); what every member applies."""
     n = deltas[0].numel()
     images: list[Contribution] = [(k, 1.0, bytearray(codecs.encode(d, wire))) for k, d in enumerate(deltas)]
-    averaged = average(images, wire, n, math.inf)
+    averaged = average(images, wire, n, DEFAULT_MAX_NORM_RATIO if robust else math.inf)
     assert averaged.values is not None and len(averaged.included) == len(deltas), averaged.excluded
     return AveragedDelta(averaged.values, ((0, n),), len(deltas))
 

@@ -38,7 +38,7 @@ from swarmnode.snapshot.format import iter_snapshot_files, sha256_file
 from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot
 from swarmnode.swarm.announcements import snapshots_key
-from swarmnode.swarm.recovery import RECEIPTS_FILE
+from swarmnode.swarm.recovery.restore import RECEIPTS_FILE
 
 RUN_ID = "bench-recovery"
 TIMEOUT_S = 300.0

@@ -31,7 +31,7 @@ from swarmnode.bench import netbed
 from swarmnode.bench.netbed import NetBed
 from swarmnode.bench.procs import ChildFailed, NodeProcess, json_lines, samples, stop_all, wait_until
 from swarmnode.bench.runner import BenchResult, load_note
-from swarmnode.swarm.recovery import RECEIPTS_FILE
+from swarmnode.swarm.recovery.restore import RECEIPTS_FILE
 from swarmnode.util.errors import ConfigError
 
 RUN_ID = "bench-recovery-peers"

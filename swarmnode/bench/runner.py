@@ -16,6 +16,7 @@ This module holds the report format, the shared helpers and the registry; each b
 | `swarm` | per swarm size N: matchmaking, all-reduce, DHT requests, rounds, RSS | the round's wall time |
 | `wan` | N nodes on links capped at R Mbit/s: blocking vs `--overlap on` | inner phase; 2(N−1)/N · B / R |
 | `prepare` | `data prepare` tokens/s; its peak RSS on a ≥ 1 GB jsonl | the tokenizer's `encode_batch`; 1 GB |
+| `attacks` | honest members' held-out loss beside a hostile one: screen only, robust | the honest alone |
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from swarmnode.core.data import default_corpus
 from swarmnode.core.ledger import read_ledger
 from swarmnode.core.model import GPT, count_parameters
 from swarmnode.core.presets import preset
-from swarmnode.swarm import codecs
+from swarmnode.swarm.averaging import codecs
 from swarmnode.util.errors import ConfigError
 
 WIRE = "bf16"

@@ -48,8 +48,8 @@ from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.snapshot.checkpointer import read_local_snapshot
 from swarmnode.snapshot.format import SnapshotInfo
-from swarmnode.swarm.allreduce import AveragingServicer, GroupSpec, butterfly_allreduce
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust
+from swarmnode.swarm.averaging.allreduce import AveragingServicer, GroupSpec, butterfly_allreduce
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust
 
 GLOO_TIMEOUT = timedelta(seconds=300)
 

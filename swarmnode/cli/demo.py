@@ -20,7 +20,7 @@ from swarmnode.bench.procs import LOOPBACK_ARGS, NodeProcess, stop_all, wait_unt
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 
 NODE_ARGS = (
     "--model",

@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"],
+        choices=[
+            *("snapshot", "fetch", "recovery", "allreduce", "train", "quality", "swarm", "wan", "prepare"),
+            "attacks",
+        ],
         help="which benchmark",
     )
     bench.add_argument(
@@ -428,7 +431,7 @@ def setup_logging(log_format: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("SWARMNODE_LOG_LEVEL", "INFO").upper())
     for name in filter(None, os.environ.get("SWARMNODE_LOG_DEBUG", "").split(",")):
-        logging.getLogger(name.strip()).setLevel(logging.DEBUG)  # e.g. swarmnode.swarm.matchmaking
+        logging.getLogger(name.strip()).setLevel(logging.DEBUG)  # e.g. swarmnode.swarm.averaging.matchmaking
     # A peer that does not answer a UDP request in time is routine in a swarm; rpcudp logs it as ERROR.
     logging.getLogger("rpcudp").setLevel(logging.CRITICAL)
     for noisy in ("kademlia", "asyncio"):

@@ -1,6 +1,6 @@
 """`StateRangeService` (ranges.proto): a node's state as verifiable byte ranges, served and fetched.
 
-The server answers from a `RangeProvider` (the node's, in swarm/range_source.py, reads its newest
+The server answers from a `RangeProvider` (the node's, in swarm/recovery/range_source.py, reads its newest
 snapshot at the asked outer step); it runs on the event loop and hands out immutable bytes there. It
 bounds the ranges in flight (`MAX_RANGES_IN_FLIGHT` over all callers, `MAX_RANGES_PER_HOST` per caller
 host or certificate node id) and answers RESOURCE_EXHAUSTED beyond; the server's guard (swarm token,

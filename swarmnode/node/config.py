@@ -26,9 +26,9 @@ from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerS
 from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
 from swarmnode.snapshot.format import LAYOUTS
-from swarmnode.swarm.matchmaking import DEFAULT_GROUP_SIZE
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO
-from swarmnode.swarm.wire import MAX_TIMEOUT_S, WIRE_DTYPES
+from swarmnode.swarm.averaging.matchmaking import DEFAULT_GROUP_SIZE
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
+from swarmnode.swarm.averaging.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")

@@ -6,7 +6,8 @@ matchmaking, the all-reduce transport and the status, and reads only that sample
 compresses and writes what the training thread handed it. One round's outcome (`RoundResult`) is what
 the next catch-up decides on. SIGTERM/SIGINT end the inner phase after the current step, write a final
 snapshot and leave cleanly. The pieces it runs: services.py (metrics, gRPC, DHT, node.json, status),
-swarm/joining.py (the restore at start), swarm/membership.py (announcements, expected peers, repairs).
+swarm/recovery/joining.py (the restore at start), swarm/membership.py (announcements, expected peers,
+repairs).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ from swarmnode.node.startup import (
 )
 from swarmnode.snapshot.checkpointer import CheckpointerConfig, SnapshotOwner, SpeculativeCheckpointer
 from swarmnode.snapshot.format import SnapshotInfo
-from swarmnode.swarm.joining import peer_fetcher, restore_at_start
-from swarmnode.swarm.many_peers import ManyPeerFetch
+from swarmnode.swarm.averaging.rounds import RoundResult
 from swarmnode.swarm.membership import DuplicateIdentity, Membership
-from swarmnode.swarm.recovery import Receipt, Recovery, append_receipt
-from swarmnode.swarm.rounds import RoundResult
+from swarmnode.swarm.recovery.joining import peer_fetcher, restore_at_start
+from swarmnode.swarm.recovery.many_peers import ManyPeerFetch
+from swarmnode.swarm.recovery.restore import Receipt, Recovery, append_receipt
 from swarmnode.swarm.shards import ShardClaims
 from swarmnode.util import clock, faults
 from swarmnode.util.aio import settle

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 
-from swarmnode.swarm.grouping import MIN_GROUP_SIZE
-from swarmnode.swarm.wire import MAX_GROUP_SIZE
+from swarmnode.swarm.averaging.grouping import MIN_GROUP_SIZE
+from swarmnode.swarm.averaging.wire import MAX_GROUP_SIZE
 from swarmnode.util.validate import parse_host_port
 
 

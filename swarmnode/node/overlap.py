@@ -39,7 +39,7 @@ from collections.abc import Callable
 from swarmnode.core.training import RoundStart
 from swarmnode.node.progress import Phase
 from swarmnode.node.round_loop import RoundSteps, phase_before_round
-from swarmnode.swarm.rounds import RoundResult
+from swarmnode.swarm.averaging.rounds import RoundResult
 
 logger = logging.getLogger(__name__)
 

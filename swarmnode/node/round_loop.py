@@ -14,7 +14,7 @@ from typing import Protocol
 
 from swarmnode.core.training import RoundStart
 from swarmnode.node.progress import Phase
-from swarmnode.swarm.rounds import RoundResult
+from swarmnode.swarm.averaging.rounds import RoundResult
 
 
 class RoundSteps(Protocol):

@@ -36,14 +36,14 @@ from swarmnode.node.config import NodeConfig
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
 from swarmnode.snapshot.checkpointer import SpeculativeCheckpointer
 from swarmnode.snapshot.ranges import RAW, EncodedRange, decode_range
-from swarmnode.swarm.allreduce import fetch_group, propose_group
-from swarmnode.swarm.matchmaking import Matchmaker
-from swarmnode.swarm.range_source import SnapshotRanges
+from swarmnode.swarm.averaging.allreduce import fetch_group, propose_group
+from swarmnode.swarm.averaging.matchmaking import Matchmaker
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.rounds import RoundResult, SwarmRounds
+from swarmnode.swarm.averaging.trust import AveragingTrust
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.swarm.reachability import ReachabilityMonitor, initial_mode
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.rounds import RoundResult, SwarmRounds
-from swarmnode.swarm.trust import AveragingTrust
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.recovery.range_source import SnapshotRanges
 from swarmnode.util import clock, faults
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.labels import Reachability
@@ -125,6 +125,7 @@ async def start_services(
         trust=trust,
         max_norm_ratio=cfg.max_norm_ratio,
         on_excluded=lambda reason: metrics.averaging_excluded.labels(reason).inc(),
+        on_clipped=metrics.averaging_clipped.inc,
         lanes=lanes,
     )
     dial_back = DialBackServicer(on_dial=lambda result: metrics.dial_backs.labels(result).inc())

@@ -36,7 +36,7 @@ from swarmnode.swarm.announcements import (
     members_key,
     snapshots_key,
 )
-from swarmnode.swarm.matchmaking import Offer, round_key
+from swarmnode.swarm.averaging.matchmaking import Offer, round_key
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.labels import SnapshotKind
 

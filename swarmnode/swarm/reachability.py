@@ -33,7 +33,7 @@ from swarmnode.net.dht import SwarmDHT
 from swarmnode.net.dht_records import decode_typed_value
 from swarmnode.net.dial_back import DIAL_TIMEOUT_S, DialBackAnswer, ask_dial_back
 from swarmnode.swarm.announcements import Announcement, snapshots_key
-from swarmnode.swarm.matchmaking import Offer, round_key
+from swarmnode.swarm.averaging.matchmaking import Offer, round_key
 from swarmnode.util.labels import ProbeResult, Reachability
 from swarmnode.util.validate import is_sha256_hex, parse_host_port
 

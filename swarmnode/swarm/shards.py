@@ -13,7 +13,7 @@ claimed first (earlier, then lower id) and a shard with fewer claimants exists, 
 nodes share a shard only when there are more nodes than shards. The shard is kept in DATA_DIR/shard.json,
 so a restart trains the same shard; `--shard` pins one (and is claimed like any other).
 
-Where a taken-over shard resumes is recovery's business (swarm/recovery.py): the furthest committed
+Where a taken-over shard resumes is recovery's business (swarm/recovery/restore.py): the furthest committed
 cursor on the shard in the adopted lineage (every snapshot carries its round's members' cursors), so
 the departed node's batches are neither lost nor trained twice. A DHT value is only a claim: each is
 decoded field by field (`ShardClaim.from_value`), and one of another run digest is ignored.

@@ -118,6 +118,8 @@ class AveragingReject(StrEnum):
     """A proposal naming a member without a signed offer for the round that says just that."""
     OVER_WEIGHT = "over_weight"
     """An offer or contribution whose token weight is over what the run allows a round."""
+    NO_SHOW = "no_show"
+    """A member that was in a group and delivered nothing: left out of the next groups for a while."""
 
 
 class Exclusion(StrEnum):

@@ -204,6 +204,11 @@ class Metrics:
         )
         for exclusion in EXCLUSION_REASONS:
             self.averaging_excluded.labels(exclusion)
+        self.averaging_clipped = Counter(
+            "swarmnode_averaging_clipped",
+            "Contributions a reducer pulled in to its clip radius (CenteredClip; still averaged)",
+            registry=r,
+        )
         self._scale_metrics(r)
 
     def _reachability_metrics(self, r: CollectorRegistry) -> None:

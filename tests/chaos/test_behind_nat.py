@@ -26,8 +26,8 @@ from swarmnode.bench.netbed import Namespace, NetBed, Router
 from swarmnode.core.ledger import digests_by_round, read_ledger
 from swarmnode.snapshot.format import iter_snapshot_files
 from swarmnode.snapshot.read import read_snapshot
-from swarmnode.swarm import codecs
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
@@ -49,7 +49,7 @@ SWARM = (
     *("--matchmaking-timeout", "4", "--allreduce-timeout", "8", "--max-outer-steps", "200"),
     *("--wire-dtype", "fp32", "--run-id", "nat", "--seed", "5"),
 )
-DEBUG = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.matchmaking"}
+DEBUG = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.averaging.matchmaking"}
 
 
 @pytest.fixture

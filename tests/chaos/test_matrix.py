@@ -24,7 +24,7 @@ from swarmnode.core.ledger import digests_by_round, read_ledger
 from swarmnode.net import rpc, snapshot_client
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,
@@ -246,7 +246,7 @@ def test_a_clock_skewed_by_minutes(tmp_path: Path, reaper) -> None:
 def test_a_network_partition_of_one_node(tmp_path: Path, reaper) -> None:
     with veth_namespace() as (host_ip, ns_ip, namespace, link):
         host_args = [*SWARM, "--host", host_ip]
-        debug = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.matchmaking"}
+        debug = {"SWARMNODE_LOG_DEBUG": "swarmnode.swarm.averaging.matchmaking"}
         seed = reaper.node(tmp_path / "n0", [*host_args, *SHARDS[0]], env=debug).start()
         peers = ["--peers", f"{host_ip}:{seed.wait_ready()['dht_port']}"]
         second = reaper.node(tmp_path / "n1", [*host_args, *SHARDS[1], *peers], env=debug).start()

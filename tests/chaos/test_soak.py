@@ -18,7 +18,7 @@ import pytest
 
 from swarmnode.bench.procs import free_port
 from swarmnode.core.ledger import read_ledger
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import NodeProcess, assert_ledgers_replay, first_agreed_round, stop_all, wait_for
 
 SOAK_S = float(os.environ.get("SWARMNODE_SOAK_SECONDS", 480))

@@ -1,4 +1,4 @@
-"""Butterfly all-reduce over real gRPC servers on loopback (swarmnode.swarm.allreduce).
+"""Butterfly all-reduce over real gRPC servers on loopback (swarmnode.swarm.averaging.allreduce).
 
 Each member has its own `snapshot_server.start_server` with the averaging service registered, in one process,
 except in the kill test, whose victim is this module run as a script:
@@ -30,12 +30,12 @@ import torch
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.net.bulk import BulkListener
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import allreduce as averaging
-from swarmnode.swarm import codecs
-from swarmnode.swarm.allreduce import AllReduceResult
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.trust import UNCHECKED, AveragingTrust
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import allreduce as averaging
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.allreduce import AllReduceResult
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.trust import UNCHECKED, AveragingTrust
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.util import faults
 
 pytestmark = pytest.mark.timeout(90)

@@ -14,7 +14,7 @@ import pytest
 
 from swarmnode.bench import netbed, wan
 from swarmnode.cli.main import main
-from swarmnode.swarm import codecs
+from swarmnode.swarm.averaging import codecs
 
 
 def test_the_wan_bench_without_root_exits_2_with_one_line(

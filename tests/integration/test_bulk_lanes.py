@@ -29,10 +29,10 @@ from swarmnode.bench.procs import free_port
 from swarmnode.net import bulk, rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.allreduce import butterfly_allreduce
-from swarmnode.swarm.trust import AveragingTrust, SenderProof
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging.allreduce import butterfly_allreduce
+from swarmnode.swarm.averaging.trust import AveragingTrust, SenderProof
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 pytestmark = pytest.mark.timeout(90)
 

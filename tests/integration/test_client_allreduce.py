@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_allreduce import assert_identical, group, random_deltas, run, start_node, weighted_average
 
-from swarmnode.swarm import allreduce as averaging
-from swarmnode.swarm.allreduce import AllReduceResult
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.wire import Member
+from swarmnode.swarm.averaging import allreduce as averaging
+from swarmnode.swarm.averaging.allreduce import AllReduceResult
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.wire import Member
 
 pytestmark = pytest.mark.timeout(90)
 

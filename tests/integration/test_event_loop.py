@@ -21,10 +21,10 @@ from swarmnode.proto.v1 import averaging_pb2 as pb_avg
 from swarmnode.proto.v1 import snapshot_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2_grpc as pb_grpc
 from swarmnode.snapshot.format import SnapshotInfo
-from swarmnode.swarm import allreduce as averaging
-from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import allreduce as averaging
+from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.util import faults
 
 pytestmark = pytest.mark.timeout(90)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import metric_value, node_status, tmpfs, wait_for
 
 pytestmark = pytest.mark.timeout(240)

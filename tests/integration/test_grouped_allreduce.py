@@ -1,4 +1,4 @@
-"""The two-level average of a grouped round (swarmnode.swarm.twolevel) over real gRPC servers on
+"""The two-level average of a grouped round (swarmnode.swarm.averaging.twolevel) over real gRPC servers on
 loopback: every member of every group applies the same values, the token-weighted mean of everyone's
 Δ, or — when a group's own average is not whole — nobody applies anything."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_allreduce import Node, assert_identical, random_deltas, run, swarm, weighted_average
 
-from swarmnode.swarm.allreduce import AllReduceResult
-from swarmnode.swarm.grouping import RoundPlan, grouped_id
-from swarmnode.swarm.twolevel import two_level_allreduce
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging.allreduce import AllReduceResult
+from swarmnode.swarm.averaging.grouping import RoundPlan, grouped_id
+from swarmnode.swarm.averaging.twolevel import two_level_allreduce
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_allreduce import random_deltas, run, swarm, weighted_average
 
-from swarmnode.swarm.grouping import RoundPlan, grouped_id, round_order
-from swarmnode.swarm.twolevel import two_level_allreduce
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging.grouping import RoundPlan, grouped_id, round_order
+from swarmnode.swarm.averaging.twolevel import two_level_allreduce
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 pytestmark = pytest.mark.timeout(90)
 

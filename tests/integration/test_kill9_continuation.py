@@ -11,7 +11,7 @@ import torch
 from swarmnode.net.identity import Identity
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import newest_snapshot
 
 # Both runs are the same node (one identity key), so they own the same shard and RNG stream.

@@ -14,7 +14,7 @@ from pathlib import Path
 from swarmnode.core.ledger import check, read_ledger
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import NodeProcess, sound_file, start_swarm, stop_all, wait_for, with_metadata
 
 SOLO = ("--inner-steps", "5", "--hot-every", "2", "--cold-every", "1", "--keep-hot", "2", "--keep-cold", "2")

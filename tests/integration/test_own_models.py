@@ -13,7 +13,7 @@ from hfmodels import llama_config, pretrained_llama, transformers
 
 from swarmnode.cli.main import main
 from swarmnode.core.data import ShardLoader, load_corpus
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from swarmnode.core.ledger import read_ledger
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import start_swarm, stop_all, wait_for
 
 ARGS = (

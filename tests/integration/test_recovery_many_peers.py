@@ -17,7 +17,7 @@ from pathlib import Path
 from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.identity import Identity
 from swarmnode.swarm.announcements import Announcement, snapshots_key
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import NodeProcess, metric_value, node_status, scrape, wait_for
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")

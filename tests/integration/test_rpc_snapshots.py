@@ -672,7 +672,7 @@ def test_stock_tools_see_every_service_by_reflection_and_health() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    from swarmnode.swarm.reducer import AveragingServicer
+    from swarmnode.swarm.averaging.reducer import AveragingServicer
 
     found: dict[str, object] = {}
 

@@ -15,11 +15,11 @@ from test_allreduce import start_node
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.allreduce import butterfly_allreduce
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.trust import AveragingTrust, SenderProof
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging.allreduce import butterfly_allreduce
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.trust import AveragingTrust, SenderProof
+from swarmnode.swarm.averaging.wire import GroupSpec
 
 pytestmark = pytest.mark.timeout(120)
 N = 3_000_000  # parts of 1M values: 4 MB fp32 images, 4 chunks each

@@ -15,7 +15,7 @@ from swarmnode.net.identity import Identity
 from swarmnode.snapshot.format import SnapshotInfo
 from swarmnode.snapshot.ranges import RAW, EncodedRange, decode_range, shared_layout
 from swarmnode.snapshot.write import write_snapshot
-from swarmnode.swarm.range_source import SnapshotRanges
+from swarmnode.swarm.recovery.range_source import SnapshotRanges
 
 LOCALHOST = "127.0.0.1"
 

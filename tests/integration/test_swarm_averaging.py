@@ -16,11 +16,11 @@ from swarmnode.core.presets import preset
 from swarmnode.net import rpc, snapshot_server
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot
-from swarmnode.swarm import codecs
-from swarmnode.swarm.allreduce import AllReduceResult, butterfly_allreduce
-from swarmnode.swarm.recovery import read_receipts
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.allreduce import AllReduceResult, butterfly_allreduce
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import (
     NodeProcess,
     assert_ledgers_replay,

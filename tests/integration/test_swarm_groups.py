@@ -1,5 +1,5 @@
 """A swarm larger than --group-size: real `swarmnode run` processes average each round in several
-groups and then among the groups' leaders (swarm/grouping.py), and still hold one model after every
+groups and then among the groups' leaders (swarm/averaging/grouping.py), and still hold one model after every
 round, with every ledger replaying."""
 
 from __future__ import annotations

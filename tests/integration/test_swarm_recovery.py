@@ -14,7 +14,7 @@ from swarmnode.net import rpc, snapshot_client
 from swarmnode.net.dht import DHTConfig, SwarmDHT
 from swarmnode.net.identity import Identity
 from swarmnode.swarm.announcements import Announcement, snapshots_key
-from swarmnode.swarm.recovery import read_receipts
+from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import metric_value, node_status, scrape, start_swarm, wait_for
 
 ARGS = ("--inner-steps", "20", "--hot-every", "5", "--cold-every", "1", "--run-id", "rec")

@@ -9,11 +9,11 @@ import pytest
 from test_matchmaking import GLOBAL_DIGEST, RUN_DIGEST, MemoryDHT, NodeView, offers_in
 
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import wire
 from swarmnode.swarm.announcements import Announcement
-from swarmnode.swarm.matchmaking import Matchmaker, Offer, Outcome
+from swarmnode.swarm.averaging import wire
+from swarmnode.swarm.averaging.matchmaking import Matchmaker, Offer, Outcome
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.swarm.reachability import initial_mode
-from swarmnode.swarm.wire import GroupSpec, Member
 from swarmnode.util.labels import Reachability
 
 SHA = "ef" * 32

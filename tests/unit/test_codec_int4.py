@@ -1,4 +1,5 @@
-"""The 4-bit wire codec (swarmnode.swarm.codecs, `int4`): exact sizes, the error bound, its layout."""
+"""The 4-bit wire codec (swarmnode.swarm.averaging.codecs, `int4`): exact sizes, the error bound, its
+layout."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmnode.swarm import codecs
-from swarmnode.swarm.codecs import INT4_BLOCK
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.codecs import INT4_BLOCK
 
 LENGTHS = [0, 1, 2, 3, INT4_BLOCK - 1, INT4_BLOCK, INT4_BLOCK + 1, 7 * INT4_BLOCK + 33]
 

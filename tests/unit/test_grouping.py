@@ -1,4 +1,4 @@
-"""Bounded groups (swarm/grouping.py): how a round of more than --group-size members is proposed and
+"""Bounded groups (swarm/averaging/grouping.py): how a round of more than --group-size members is proposed and
 cut into groups, and what each member averages in; plus the DHT answer that lets every node see a
 round's offers when there are more than one answer holds."""
 
@@ -14,7 +14,7 @@ from swarmnode.net.dht_records import dht_key, encode_value, sign_entry
 from swarmnode.net.identity import Identity
 from swarmnode.net.kademlia_adapter import MAX_ANSWER_ENTRY_BYTES, _sample_that_fit
 from swarmnode.node.config import FLAG_BY_FIELD, parse_flag
-from swarmnode.swarm.grouping import (
+from swarmnode.swarm.averaging.grouping import (
     RoundPlan,
     can_group,
     group_size_of,
@@ -22,8 +22,8 @@ from swarmnode.swarm.grouping import (
     round_order,
     sub_specs,
 )
-from swarmnode.swarm.matchmaking import Outcome
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging.matchmaking import Outcome
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.util.errors import ConfigError
 
 

@@ -10,8 +10,8 @@ import json
 import time
 
 from swarmnode.net.dht_records import DHTEntry
-from swarmnode.swarm.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
 GLOBAL_DIGEST = "cd" * 32
@@ -180,7 +180,7 @@ def test_one_peer_offering_for_a_later_round_does_not_end_the_others_round() -> 
 def test_a_leader_that_offered_and_went_silent_is_passed_over(monkeypatch) -> None:
     """The first-ranked offer's node stops right after offering (SIGSTOP, a crash): the others do not
     each go on alone with their own Δ; they pass it over at one deadline and the next in rank leads."""
-    from swarmnode.swarm import matchmaking
+    from swarmnode.swarm.averaging import matchmaking
     from swarmnode.util import clock
 
     monkeypatch.setattr(matchmaking, "PROPOSE_TIMEOUT_S", 0.5)
@@ -387,3 +387,35 @@ def test_a_member_checks_a_proposal_by_the_signed_offers_it_carries_without_a_lo
     assert refused_answer is None and refused == ["not_offered"]
     assert accepted is not None and len(accepted.members) == 3
     assert took_s < PROPOSE_TIMEOUT_S  # the refusal's bounded look-up included
+
+
+def test_a_member_that_delivered_nothing_sits_out_the_groups_its_leader_forms_for_a_while() -> None:
+    """A leader that noted a member of its round-4 group as delivering nothing leaves it out of the
+    groups it leads in rounds 5 and 6 (counted), and takes it again in round 7."""
+
+    async def round_of(nodes: list[Matchmaker], step: int) -> list[Outcome]:
+        everyone = set(nodes)
+        return list(await asyncio.gather(*(offer(n, step, everyone - {n}) for n in nodes)))
+
+    async def scenario() -> tuple[dict[int, tuple[str, ...]], list[str], str]:
+        nodes = swarm(3)
+        refused: list[str] = []
+        for node in nodes:
+            node.on_refused = refused.append
+        first = (await round_of(nodes, 4))[0].group
+        assert first is not None
+        leader = next(n for n in nodes if first.group_id.endswith(n.node_id[:16]))
+        silent = next(n for n in nodes if n is not leader)
+        leader.note_no_shows([silent.node_id], 4)
+        groups = {}
+        for step in (5, 6, 7):
+            outcomes = await round_of(nodes, step)
+            spec = outcomes[nodes.index(leader)].group
+            assert spec is not None
+            groups[step] = tuple(sorted(m.node_id for m in spec.members))
+        return groups, refused, silent.node_id
+
+    groups, refused, silent = asyncio.run(scenario())
+    assert silent not in groups[5] and silent not in groups[6] and len(groups[5]) == 2
+    assert silent in groups[7] and len(groups[7]) == 3
+    assert refused == ["no_show"]

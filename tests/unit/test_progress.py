@@ -59,8 +59,8 @@ def test_holding_and_waiting_for_the_swarm_have_phases_of_their_own() -> None:
     inner phase the line says so, instead of repeating the last inner figures as `[inner]`."""
     from swarmnode.node.progress import Phase
     from swarmnode.node.round_loop import phase_before_round
-    from swarmnode.swarm.matchmaking import Offer
-    from swarmnode.swarm.rounds import RoundResult
+    from swarmnode.swarm.averaging.matchmaking import Offer
+    from swarmnode.swarm.averaging.rounds import RoundResult
 
     held = RoundResult(None, ("n1",), coverage=0.0, held=True)
     offer = Offer("0a", "h:1", 1.0, "0" * 64, "0" * 64, 1.0, None, 3)

@@ -16,7 +16,7 @@ from swarmnode.bench.plotting import SERIES_KEY
 from swarmnode.bench.quality_plot import plot_comparison
 from swarmnode.bench.quality_sim import Comparison, Curve, Setup, Side, SideJob
 from swarmnode.bench.runner import BenchResult
-from swarmnode.swarm import codecs
+from swarmnode.swarm.averaging import codecs
 
 
 def test_simulated_average_is_the_reducers_at_equal_weights() -> None:
@@ -164,3 +164,20 @@ def test_one_worker_trains_on_the_whole_corpus_and_the_workers_on_their_shards(
     asked.clear()
     quality_sim.train_side(SideJob(Side.DILOCO, "tiny", 2, 1, 1, 2e-3))
     assert asked[1:] == [(0, 2), (1, 2)]
+
+
+def test_the_attacks_bench_simulates_the_attacker_in_the_reducers_average() -> None:
+    """A short attacked run: the attacker's Δ is what its attack says, the robust step keeps the honest
+    worker's loss where the screen alone lets a flipped ×7 Δ through."""
+    from swarmnode.bench.attacks import Attacker, AttackRun, run_attack
+
+    delta = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    attacker = Attacker("flip", 64)
+    assert torch.equal(attacker.send(delta), -7 * delta)
+    attacker = Attacker("minus4", 64)
+    attacker.last_average = delta
+    assert torch.equal(attacker.send(torch.zeros(64)), -4 * delta)
+    assert Attacker("noise", 64).send(delta).norm() == pytest.approx(float(delta.norm()), rel=1e-5)
+    robust = run_attack(AttackRun("flip", "robust", 3, 3, 20, 3, "tiny"))
+    screen_only = run_attack(AttackRun("flip", "screen only", 3, 3, 20, 3, "tiny"))
+    assert robust < screen_only

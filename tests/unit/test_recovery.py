@@ -12,8 +12,8 @@ import pytest
 from swarmnode.bench.runner import trained_run
 from swarmnode.net.rpc import PeerUnavailable
 from swarmnode.swarm.announcements import Announcement
-from swarmnode.swarm.many_peers import ManyPeersUnavailable
-from swarmnode.swarm.recovery import Recovery
+from swarmnode.swarm.recovery.many_peers import ManyPeersUnavailable
+from swarmnode.swarm.recovery.restore import Recovery
 from swarmnode.util.threads import TrainingThread
 
 

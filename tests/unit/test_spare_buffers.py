@@ -9,9 +9,10 @@ import gc
 import pytest
 import torch
 
-from swarmnode.swarm import codecs
-from swarmnode.swarm.reducer import SpareBuffers, _PartRound, average
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.aggregation import average
+from swarmnode.swarm.averaging.reducer import SpareBuffers, _PartRound
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 GRAIN = SpareBuffers.GRAIN
 

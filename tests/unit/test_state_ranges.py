@@ -27,10 +27,10 @@ from swarmnode.snapshot.ranges import (
     node_layout,
     shared_layout,
 )
-from swarmnode.swarm import many_peers, range_source
 from swarmnode.swarm.announcements import Announcement
-from swarmnode.swarm.many_peers import ManyPeerFetch, ManyPeersUnavailable
-from swarmnode.swarm.range_fetch import RangeFetcher, RangeFetchFailed, RangeJob
+from swarmnode.swarm.recovery.many_peers import ManyPeerFetch, ManyPeersUnavailable
+from swarmnode.swarm.recovery.range_fetch import RangeFetcher, RangeFetchFailed, RangeJob
+from swarmnode.swarm.recovery import many_peers, range_source
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import FetchFailure
 

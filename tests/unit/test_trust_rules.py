@@ -10,10 +10,10 @@ import torch
 
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import wire
-from swarmnode.swarm.reducer import average, robust_filter
-from swarmnode.swarm.trust import AveragingTrust, SenderProof
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import wire
+from swarmnode.swarm.averaging.aggregation import average, robust_filter
+from swarmnode.swarm.averaging.trust import AveragingTrust, SenderProof
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.util import faults
 from swarmnode.util.labels import AveragingReject, Exclusion
 

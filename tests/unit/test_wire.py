@@ -1,4 +1,5 @@
-"""What the averaging service puts on the wire (swarmnode.swarm.wire): part codecs, chunks, group specs."""
+"""What the averaging service puts on the wire (swarmnode.swarm.averaging.wire): part codecs, chunks,
+group specs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from hypothesis import strategies as st
 from swarmnode.net import rpc
 from swarmnode.net.rpc import CHUNK_BYTES
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.codecs import INT8_BLOCK
-from swarmnode.swarm.wire import GroupSpec, Member
+from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging.codecs import INT8_BLOCK
+from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 LENGTHS = [0, 1, INT8_BLOCK - 1, INT8_BLOCK, INT8_BLOCK + 1, 5 * INT8_BLOCK + 17]
 

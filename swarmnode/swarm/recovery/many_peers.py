@@ -44,7 +44,7 @@ from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.ranges import BlobLayout, EncodedRange, node_layout, shared_layout
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
 from swarmnode.swarm.announcements import Announcement
-from swarmnode.swarm.range_fetch import FetchReport, RangeFetcher, RangeJob
+from swarmnode.swarm.recovery.range_fetch import FetchReport, RangeFetcher, RangeJob
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import FetchFailure
 

@@ -15,9 +15,9 @@ import torch
 
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.net import rpc
-from swarmnode.swarm.allreduce import AllReduceResult, butterfly_allreduce
-from swarmnode.swarm.grouping import RoundPlan
-from swarmnode.swarm.reducer import AveragingServicer
+from swarmnode.swarm.averaging.allreduce import AllReduceResult, butterfly_allreduce
+from swarmnode.swarm.averaging.grouping import RoundPlan
+from swarmnode.swarm.averaging.reducer import AveragingServicer
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import read_snapshot, read_snapshot_stream
 from swarmnode.snapshot.tensors import LoadedSnapshot
 from swarmnode.swarm.announcements import Announcement
-from swarmnode.swarm.many_peers import ManyPeerFetch, RangedState
+from swarmnode.swarm.recovery.many_peers import ManyPeerFetch, RangedState
 from swarmnode.util.errors import PeerFault
 from swarmnode.util.labels import CursorSource, FetchFailure, RecoverySource
 from swarmnode.util.threads import TrainingThread

@@ -8,10 +8,10 @@ index, another member's part) is refused, counted, and no longer waited for. Eve
 the part's bytes in order (and, without mutual TLS, carry its sender's signature). A group proposal
 must be signed by one of its members.
 
-Robust aggregation (`average`): a contribution holding NaN/Inf, or whose norm is over
+Robust aggregation (`aggregation.average`): a contribution holding NaN/Inf, or whose norm is over
 `max_norm_ratio` × the lower median of the part's contribution norms, is left out of the average (its
-tokens are not counted, it is not among the members the result names), counted by reason and logged
-once per peer.
+tokens are not counted, it is not among the members the result names); one far from the others is
+clipped (CenteredClip). Both are counted by reason and logged once per peer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import socket
 import threading
 import weakref
@@ -33,11 +32,12 @@ from google.protobuf.message import DecodeError
 
 from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm import codecs, grouping, wire
-from swarmnode.swarm.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging import codecs, grouping, wire
+from swarmnode.swarm.averaging.aggregation import Averaged, Contribution, average
+from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO, UNCHECKED, AveragingTrust, Speaker
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.aio import settle
-from swarmnode.util.labels import AveragingReject, Exclusion
+from swarmnode.util.labels import AveragingReject
 
 logger = logging.getLogger(__name__)
 
@@ -51,29 +51,11 @@ round (`grouping.py`) makes up to three known here: its group's, the leaders' an
 _EOF: Any = grpc.aio.EOF
 
 
-@dataclass(frozen=True)
-class Averaged:
-    """A reducer's result: its wire image and the image's decoded values (None: not averaged), and the
-    members (indices, ascending) whose contributions it averages."""
-
-    included: tuple[int, ...] = ()
-    image: memoryview | None = None
-    values: torch.Tensor | None = None
-    excluded: tuple[tuple[int, Exclusion], ...] = ()
-    """Members whose contributions the robust aggregation left out, and why."""
-
-    @property
-    def contributors(self) -> int:
-        return len(self.included)
-
-
 _NOT_AVERAGED = Averaged()
 _CODES = {
     AveragingReject.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     AveragingReject.IMPERSONATION: grpc.StatusCode.PERMISSION_DENIED,
 }
-Contribution = tuple[int, float, "torch.Tensor | bytearray | memoryview"]
-"""(member index, token weight, values or their wire image)."""
 
 
 @dataclass
@@ -449,82 +431,6 @@ class LocalReduction:
         await self._round.idle.wait()
 
 
-def average(
-    contributions: list[Contribution],
-    wire_dtype: str,
-    n: int,
-    max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
-    acc: torch.Tensor | None = None,
-    values_out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-) -> Averaged:
-    """Σᵢ (wᵢ / Σw) Δᵢ in fp32, in member order, over the contributions of positive weight that pass
-    the robust filter (`robust_filter`), so equal weights give exactly (Δ₀ + Δ₁) / 2; then its wire
-    image and the image's decoded values, which is what every member applies, the members it averages
-    and those it left out. `acc` (n fp32 values, any content) holds the sum, which for fp32 is the
-    image; the decoded values go into `values_out` (n fp32 values) if given. `scratch` (n fp32 values):
-    where a bf16 contribution is widened before it is added, which is exact and several times faster
-    than torch's mixed-dtype add. Runs on a worker thread."""
-    decoded: list[tuple[int, float, torch.Tensor]] = []
-    for index, weight, data in contributions:
-        if weight > 0:
-            values = data if isinstance(data, torch.Tensor) else codecs.wire_values(data, wire_dtype, n)
-            decoded.append((index, weight, values))
-    kept, excluded = robust_filter(decoded, max_norm_ratio)
-    if not kept:
-        return Averaged(excluded=excluded)
-    total = sum(weight for _, weight, _ in kept)
-    acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
-    acc.zero_()
-    for _, weight, values in kept:
-        if scratch is not None and values.dtype != torch.float32:
-            values = scratch.copy_(values)
-        acc.add_(values, alpha=weight / total)
-    image = codecs.encode(acc, wire_dtype)
-    included = tuple(index for index, _, _ in kept)
-    return Averaged(included, image, codecs.decode(image, wire_dtype, n, values_out), excluded)
-
-
-_Weighted = list[tuple[int, float, torch.Tensor]]
-
-
-def robust_filter(
-    contributions: _Weighted, max_norm_ratio: float
-) -> tuple[_Weighted, tuple[tuple[int, Exclusion], ...]]:
-    """Norm screening to the median (the first step of CenteredClip, Gorbunov et al. 2022, "Secure
-    Distributed Training at Scale", hivemind's BTARD): a contribution whose L2 norm is not finite
-    (NaN/Inf, or overflowing fp32) is left out; so is one whose norm is over `max_norm_ratio` × the
-    lower median of the finite norms (with two members, the smaller: one honest member is enough to
-    screen the other). Returns the kept contributions and the left-out ones' indices and reasons."""
-    kept: _Weighted = []
-    excluded: list[tuple[int, Exclusion]] = []
-    if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
-        for contribution in contributions:
-            if _finite(contribution[2]):
-                kept.append(contribution)
-            else:
-                excluded.append((contribution[0], Exclusion.NONFINITE))
-        return kept, tuple(excluded)
-    norms = [float(torch.linalg.vector_norm(values, dtype=torch.float32)) for _, _, values in contributions]
-    finite = sorted(x for x in norms if math.isfinite(x))
-    bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
-    for contribution, norm in zip(contributions, norms, strict=True):
-        if not math.isfinite(norm):
-            excluded.append((contribution[0], Exclusion.NONFINITE))
-        elif norm > bound > 0:
-            excluded.append((contribution[0], Exclusion.NORM))
-        else:
-            kept.append(contribution)
-    return kept, tuple(excluded)
-
-
-def _finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite. A sum is NaN or ±inf if any value is, and is much cheaper than
-    `isfinite` (docs/benchmarks.md "Robust aggregation's bound"); only a sum that overflowed from finite
-    values needs the full check."""
-    return bool(values.sum().isfinite()) or bool(torch.isfinite(values).all())
-
-
 class AveragingServicer:
     """`AveragingService` of one node: answers proposals and reduces this node's parts. Register it
     with `snapshot_server.start_server(..., extra_servicers=[servicer.register])`."""
@@ -538,6 +444,7 @@ class AveragingServicer:
         trust: AveragingTrust = UNCHECKED,
         max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO,
         on_excluded: Callable[[str], None] | None = None,
+        on_clipped: Callable[[], None] | None = None,
         lanes: bulk.BulkListener | None = None,
     ) -> None:
         """`on_proposal(spec, proposer)` decides whether this node joins a group `proposer` (the node
@@ -548,14 +455,17 @@ class AveragingServicer:
         led in that round, for a client member's `AwaitGroup` (None: it led none); `trust` signs and
         checks who speaks (`trust.py`; the default trusts every header: in-process tests only);
         `max_norm_ratio` is the robust aggregation's bound and `on_excluded(reason)` counts the
-        contributions it leaves out; `lanes`: the started listener whose bulk lanes this node offers
-        its callers (None: every byte goes over gRPC; never with TLS, see `net/bulk.py`)."""
+        contributions it leaves out, `on_clipped()` those it clips; `lanes`: the started listener
+        whose bulk lanes this node offers its callers (None: every byte goes over gRPC; never with TLS,
+        see `net/bulk.py`)."""
         self.node_id = node_id
         self.led_group = led_group
         self._on_proposal, self._on_rejected = on_proposal, on_rejected
         self.trust, self.max_norm_ratio, self._on_excluded = trust, max_norm_ratio, on_excluded
+        self._on_clipped = on_clipped
         self.lanes = lanes
         self._logged_exclusions: set[str] = set()
+        self._logged_clips: set[str] = set()
         self._rounds: dict[str, _PartRound] = {}
         self.spares = SpareBuffers()
         self._over: dict[str, None] = {}  # recently ended groups, oldest first
@@ -715,7 +625,18 @@ class AveragingServicer:
             self._on_rejected(reason)
 
     def report_exclusions(self, spec: GroupSpec, averaged: Averaged) -> None:
-        """Counts the contributions the robust aggregation left out; logs each peer once."""
+        """Counts the contributions the robust aggregation left out or clipped; logs each peer once."""
+        for index in averaged.clipped:
+            if self._on_clipped is not None:
+                self._on_clipped()
+            node_id = spec.members[index].node_id
+            if node_id not in self._logged_clips:
+                self._logged_clips.add(node_id)
+                logger.warning(
+                    "group %s: clipped member %d (%s)'s contribution to part %d: far from the others' "
+                    "(logged once per peer; counted in swarmnode_averaging_clipped_total)",
+                    *(spec.group_id, index, node_id[:12], spec.index_of(self.node_id)),
+                )
         for index, reason in averaged.excluded:
             if self._on_excluded is not None:
                 self._on_excluded(reason)

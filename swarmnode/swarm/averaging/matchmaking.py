@@ -48,8 +48,8 @@ import msgspec
 
 from swarmnode.net.dht import DHTEntry
 from swarmnode.net.dht_records import decode_typed_value
-from swarmnode.swarm import grouping
-from swarmnode.swarm.wire import MAX_WEIGHT, GroupSpec, Member
+from swarmnode.swarm.averaging import grouping
+from swarmnode.swarm.averaging.wire import MAX_WEIGHT, GroupSpec, Member
 from swarmnode.util import clock, faults
 from swarmnode.util.labels import AveragingReject
 from swarmnode.util.validate import is_sha256_hex
@@ -72,6 +72,9 @@ PROPOSAL_READ_BUDGET_S = PROPOSE_TIMEOUT_S / 2
 must not turn into a flood of look-ups)."""
 MAX_REMEMBERED_REFUSALS = 4096
 """Offers refused for their weight that a node remembers, so it counts each once (bounded)."""
+NO_SHOW_ROUNDS = 2
+"""Rounds a leader leaves out a member that was in its last group and delivered nothing to it."""
+MAX_REMEMBERED_NO_SHOWS = 1024
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
 expire by its clock) is still seen by the others."""
@@ -166,6 +169,7 @@ class Matchmaker:
         contribution weigh in a round (`round_token_cap`): a heavier offer is left out of groups."""
         self.max_weight = max_weight
         self._over_weight: set[tuple[str, int]] = set()  # (node, round) of offers refused for weight
+        self._no_shows: dict[str, int] = {}  # node → the last round this node's groups leave it out of
         self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
@@ -343,6 +347,21 @@ class Matchmaker:
             return None
         return offer
 
+    def note_no_shows(self, node_ids: Sequence[str], outer_step: int) -> None:
+        """Members of this node's group in round `outer_step` that delivered nothing to it: groups this
+        node leads leave them out for the next NO_SHOW_ROUNDS rounds (counted and logged each time)."""
+        for node_id in node_ids:
+            self._no_shows.pop(node_id, None)
+            self._no_shows[node_id] = outer_step + NO_SHOW_ROUNDS
+            self.on_refused(AveragingReject.NO_SHOW)
+            logger.warning(
+                "round %d: %s was in the group and delivered nothing: left out of the groups this node "
+                "leads for %d rounds",
+                *(outer_step, node_id[:12], NO_SHOW_ROUNDS),
+            )
+        while len(self._no_shows) > MAX_REMEMBERED_NO_SHOWS:
+            del self._no_shows[next(iter(self._no_shows))]
+
     def _refuse_weight(self, offer: Offer) -> None:
         """Counts and logs an offer over the weight cap, once per node and round."""
         if (offer.node_id, offer.outer_step) in self._over_weight:
@@ -392,7 +411,12 @@ class Matchmaker:
         assert self._proposal is not None
         if self._proposal.done():  # another leader's proposal arrived first: follow it
             return Outcome(self._proposal.result())
-        ordered = sorted(members, key=lambda o: o.node_id)
+        ordered = sorted(
+            (o for o in members if self._no_shows.get(o.node_id, -1) < own.outer_step),
+            key=lambda o: o.node_id,
+        )
+        if len(ordered) == 1:
+            return Outcome(None, reason="every partner delivered nothing last time it was in a group")
         spec = self._round_spec(own, ordered)
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         self._remember_led(spec)

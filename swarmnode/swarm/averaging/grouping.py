@@ -38,7 +38,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarmnode.swarm.wire import MAX_TIMEOUT_S, GroupSpec, Member
+from swarmnode.swarm.averaging.wire import MAX_TIMEOUT_S, GroupSpec, Member
 
 MIN_GROUP_SIZE = 2
 _GROUPED = re.compile(r"\.g([0-9]{1,3})$")

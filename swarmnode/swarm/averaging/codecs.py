@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from swarmnode.swarm.wire import check_dtype
+from swarmnode.swarm.averaging.wire import check_dtype
 
 INT8_BLOCK = 1024
 """Values per int8 quantisation block (one fp32 scale each: 0.4% overhead)."""

@@ -30,11 +30,11 @@ from typing import Any
 from swarmnode.net.identity import Identity, node_id_from_public_key, verify_signature
 from swarmnode.net.security import authenticated_node_id
 from swarmnode.proto.v1 import averaging_pb2 as pb
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.labels import AveragingReject
 
 DEFAULT_MAX_NORM_RATIO = 8.0
-"""Default of --max-norm-ratio, the robust aggregation's bound (`reducer.robust_filter`;
+"""Default of --max-norm-ratio, the robust aggregation's bound (`aggregation.robust_filter`;
 docs/benchmarks.md "Robust aggregation's bound" has the measurement it comes from)."""
 _HEADER_TAG = b"swarmnode/v1/contribution-header\x00"
 _CHUNK_TAG = b"swarmnode/v1/contribution-chunk\x00"

@@ -20,7 +20,7 @@ from swarmnode.net.dht import SwarmDHT
 from swarmnode.snapshot.checkpointer import SpeculativeCheckpointer
 from swarmnode.swarm.announcements import Announcement
 from swarmnode.swarm.membership import Membership
-from swarmnode.swarm.recovery import Fetcher, Receipt, Recovery
+from swarmnode.swarm.recovery.restore import Fetcher, Receipt, Recovery
 from swarmnode.util import faults
 from swarmnode.util.labels import RecoverySource
 from swarmnode.util.metrics import Metrics

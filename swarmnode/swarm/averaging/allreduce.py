@@ -44,10 +44,10 @@ from swarmnode.core.diloco import AveragedDelta, Range
 from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
-from swarmnode.swarm import codecs, wire
-from swarmnode.swarm.reducer import AveragingServicer, LocalReduction
-from swarmnode.swarm.trust import UNCHECKED, AveragingTrust
-from swarmnode.swarm.wire import EXCHANGE_METHOD, GroupSpec
+from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging.reducer import AveragingServicer, LocalReduction
+from swarmnode.swarm.averaging.trust import UNCHECKED, AveragingTrust
+from swarmnode.swarm.averaging.wire import EXCHANGE_METHOD, GroupSpec
 from swarmnode.util import faults
 from swarmnode.util.aio import settle
 from swarmnode.util.validate import parse_host_port

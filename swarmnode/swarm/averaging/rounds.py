@@ -25,12 +25,12 @@ import torch
 
 from swarmnode.core.diloco import AveragedDelta
 from swarmnode.net.rpc import ChannelCache
-from swarmnode.swarm.allreduce import butterfly_allreduce
-from swarmnode.swarm.grouping import RoundPlan
-from swarmnode.swarm.matchmaking import Matchmaker, Offer
-from swarmnode.swarm.reducer import AveragingServicer
-from swarmnode.swarm.twolevel import two_level_allreduce
-from swarmnode.swarm.wire import GroupSpec
+from swarmnode.swarm.averaging.allreduce import butterfly_allreduce
+from swarmnode.swarm.averaging.grouping import RoundPlan
+from swarmnode.swarm.averaging.matchmaking import Matchmaker, Offer
+from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.twolevel import two_level_allreduce
+from swarmnode.swarm.averaging.wire import GroupSpec
 from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,8 @@ class SwarmRounds:
         coverage = averaged.coverage
         members = tuple(m.node_id for m in spec.members)
         delivered = [m for k, m in enumerate(spec.members) if k in result.delivered]
+        if plan is None:
+            self._note_no_shows(spec, result.included)
         cursors = {m.node_id: m.cursor for m in delivered if m.cursor is not None}
         self._count(result.seconds, result.bytes_sent, len(members), coverage)
         note = ""
@@ -234,6 +236,16 @@ class SwarmRounds:
             included=tuple(m.node_id for m in delivered),
             groups=1 if plan is None else len(plan.groups),
         )
+
+    def _note_no_shows(self, spec: GroupSpec, included: tuple[frozenset[int], ...]) -> None:
+        """Members of positive weight in none of the parts this node holds, while others are: they
+        accepted the group and delivered nothing (a member that broke, or one that takes the group's
+        time on purpose)."""
+        heard = frozenset().union(*included)
+        if len(heard - {spec.index_of(self.node_id)}) == 0:
+            return  # nothing came from anyone: this node's own link, not theirs
+        silent = [m.node_id for k, m in enumerate(spec.members) if k not in heard and m.weight > 0]
+        self.matchmaker.note_no_shows(silent, spec.round)
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:
         m = self.metrics

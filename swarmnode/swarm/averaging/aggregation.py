@@ -1,0 +1,202 @@
+"""The robust outer step's maths: what a reducer makes of its part's contributions (no gRPC, no I/O).
+
+Three steps, each on one part of Δ (a reducer's slice; every member's contribution to it):
+
+1. **Screen** (`robust_filter`): a contribution holding NaN/Inf is left out, and so is one whose L2 norm
+   is over `max_norm_ratio` × the lower median of the part's norms (`--max-norm-ratio`).
+2. **CenteredClip** (`centered_clip`; Karimireddy, He and Jaggi 2021, "Learning from History for
+   Byzantine Robust Optimization"; Gorbunov et al. 2022, "Secure Distributed Training at Scale", the
+   aggregator of hivemind's BTARD), once any contribution lies farther than FAR × the median distance
+   of the contributions to their coordinate-wise median (a start a minority cannot move outside the
+   majority's per-coordinate range): from that start, CLIP_ITERATIONS steps
+   v ← v + Σᵢ (wᵢ/Σw) · min(1, τ/‖xᵢ − v‖) · (xᵢ − v) with the radius τ = CLIP_RADIUS × that median
+   distance. A member of weight w pulls v by at most (w/Σw)·τ a step whatever it sends — any direction,
+   any norm under the screen — so a minority's influence is bounded by the honest members' own spread,
+   not by its own norm. (A member that stays within FAR × the median distance is not clipped: its pull
+   is at most (w/Σw)·FAR times that distance, the bound's other half.)
+3. **Mean** when nobody is far: the plain token-weighted mean in member order (`average`), bit for bit
+   what an honest round gave before, so honest rounds pay the median and the distances and nothing in
+   their result.
+
+Groups of fewer than CLIP_MIN_MEMBERS take the mean after the screen: with two members neither can be
+told from the other (their median is their midpoint). The choice of CenteredClip over a coordinate-wise
+median or trimmed mean: those replace the mean in every round (a median of 3–8 noisy Δs is a worse
+estimate of their mean: the honest cost), while CenteredClip is the mean whenever nobody is far, and its
+bound holds in whole-vector terms (a median's holds per coordinate only). Measured: docs/benchmarks.md
+"Robust outer step".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from swarmnode.swarm.averaging import codecs
+from swarmnode.util.labels import Exclusion
+
+FAR = 2.0
+"""A contribution farther than FAR × the median distance from the coordinate-wise median makes the
+reducer clip; with none that far, the round is the plain mean."""
+CLIP_RADIUS = 1.0
+"""τ as a multiple of the median distance of a part's contributions to their coordinate-wise median
+(1.0 against 0.5 and 2.0: docs/benchmarks.md "Robust outer step")."""
+CLIP_ITERATIONS = 3
+CLIP_MIN_MEMBERS = 3
+
+Contribution = tuple[int, float, "torch.Tensor | bytearray | memoryview"]
+"""(member index, token weight, values or their wire image)."""
+_Weighted = list[tuple[int, float, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """A reducer's result: its wire image and the image's decoded values (None: not averaged), and the
+    members (indices, ascending) whose contributions it averages."""
+
+    included: tuple[int, ...] = ()
+    image: memoryview | None = None
+    values: torch.Tensor | None = None
+    excluded: tuple[tuple[int, Exclusion], ...] = ()
+    """Members whose contributions the robust aggregation left out, and why."""
+    clipped: tuple[int, ...] = ()
+    """Members (among `included`) whose contributions CenteredClip pulled in to its radius."""
+
+    @property
+    def contributors(self) -> int:
+        return len(self.included)
+
+
+def average(
+    contributions: list[Contribution],
+    wire_dtype: str,
+    n: int,
+    max_norm_ratio: float = 8.0,
+    acc: torch.Tensor | None = None,
+    values_out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    clip: bool = True,
+) -> Averaged:
+    """The part's robust average (see the module notes) of the contributions of positive weight, then
+    its wire image and the image's decoded values, which is what every member applies, the members it
+    averages, those it left out and those it clipped. With nobody far, Σᵢ (wᵢ / Σw) Δᵢ in fp32 in member
+    order, so equal weights give exactly (Δ₀ + Δ₁) / 2. `max_norm_ratio` inf: the plain mean of the
+    finite contributions (the benches' anchor). `acc` (n fp32 values, any content) holds the result,
+    which for fp32 is the image; the decoded values go into `values_out` (n fp32 values) if given.
+    `scratch` (n fp32 values): where a bf16 contribution is widened before it is added, which is exact
+    and several times faster than torch's mixed-dtype add. `clip` False: the screen alone (the benches'
+    "before"). Runs on a worker thread."""
+    decoded: _Weighted = []
+    for index, weight, data in contributions:
+        if weight > 0:
+            values = data if isinstance(data, torch.Tensor) else codecs.wire_values(data, wire_dtype, n)
+            decoded.append((index, weight, values))
+    kept, excluded = robust_filter(decoded, max_norm_ratio)
+    if not kept:
+        return Averaged(excluded=excluded)
+    acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
+    clipped = centered_clip(kept, acc) if clip and math.isfinite(max_norm_ratio) else None
+    if clipped is None:
+        _weighted_mean(kept, acc, scratch)
+    image = codecs.encode(acc, wire_dtype)
+    included = tuple(index for index, _, _ in kept)
+    values = codecs.decode(image, wire_dtype, n, values_out)
+    return Averaged(included, image, values, excluded, clipped or ())
+
+
+def _weighted_mean(kept: _Weighted, acc: torch.Tensor, scratch: torch.Tensor | None) -> None:
+    total = sum(weight for _, weight, _ in kept)
+    acc.zero_()
+    for _, weight, values in kept:
+        if scratch is not None and values.dtype != torch.float32:
+            values = scratch.copy_(values)
+        acc.add_(values, alpha=weight / total)
+
+
+def robust_filter(
+    contributions: _Weighted, max_norm_ratio: float
+) -> tuple[_Weighted, tuple[tuple[int, Exclusion], ...]]:
+    """The screen: a contribution whose L2 norm is not finite (NaN/Inf, or overflowing fp32) is left
+    out; so is one whose norm is over `max_norm_ratio` × the lower median of the finite norms (with two
+    members, the smaller: one honest member is enough to screen the other). Returns the kept
+    contributions and the left-out ones' indices and reasons."""
+    kept: _Weighted = []
+    excluded: list[tuple[int, Exclusion]] = []
+    if math.isinf(max_norm_ratio):  # screening off (the all-reduce bench's anchor): finite values only
+        for contribution in contributions:
+            if _finite(contribution[2]):
+                kept.append(contribution)
+            else:
+                excluded.append((contribution[0], Exclusion.NONFINITE))
+        return kept, tuple(excluded)
+    norms = [float(torch.linalg.vector_norm(values, dtype=torch.float32)) for _, _, values in contributions]
+    finite = sorted(x for x in norms if math.isfinite(x))
+    bound = max_norm_ratio * finite[(len(finite) - 1) // 2] if finite else math.inf
+    for contribution, norm in zip(contributions, norms, strict=True):
+        if not math.isfinite(norm):
+            excluded.append((contribution[0], Exclusion.NONFINITE))
+        elif norm > bound > 0:
+            excluded.append((contribution[0], Exclusion.NORM))
+        else:
+            kept.append(contribution)
+    return kept, tuple(excluded)
+
+
+def centered_clip(
+    contributions: _Weighted,
+    out: torch.Tensor,
+    radius: float = CLIP_RADIUS,
+    iterations: int = CLIP_ITERATIONS,
+) -> tuple[int, ...] | None:
+    """CenteredClip of finite contributions into `out` (see the module notes); returns the members it
+    clipped, or None — `out` untouched — when every contribution lies within the radius of the
+    coordinate-wise median or there are fewer than CLIP_MIN_MEMBERS (the weighted mean is then the
+    answer)."""
+    if len(contributions) < CLIP_MIN_MEMBERS:
+        return None
+    rows = [values.float() for _, _, values in contributions]
+    centre = coordinate_median(rows)
+    buffer = torch.empty_like(centre)
+    distances = [_distance(x, centre, buffer) for x in rows]
+    median_distance = statistics.median(distances)
+    tau = radius * median_distance
+    if not tau > 0 or max(distances) <= FAR * median_distance:
+        return None
+    total = sum(weight for _, weight, _ in contributions)
+    clipped: set[int] = set()
+    for _ in range(iterations):
+        step = buffer.zero_()
+        pulled = 0.0
+        for (index, weight, _), x, distance in zip(contributions, rows, distances, strict=True):
+            share = weight / total * (min(1.0, tau / distance) if distance > 0 else 1.0)
+            if distance > tau:
+                clipped.add(index)
+            step.add_(x, alpha=share)
+            pulled += share
+        centre.mul_(1.0 - pulled).add_(step)  # v + Σ cᵢ (xᵢ − v)
+        distances = [_distance(x, centre, buffer) for x in rows]
+    out.copy_(centre)
+    return tuple(sorted(clipped))
+
+
+def coordinate_median(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median of equally long fp32 rows (the mean of the middle two for an even
+    count, so two rows give their midpoint)."""
+    ordered = torch.stack(rows).sort(dim=0).values
+    k = len(rows)
+    if k % 2:
+        return ordered[k // 2].clone()
+    return (ordered[k // 2 - 1] + ordered[k // 2]) / 2
+
+
+def _distance(x: torch.Tensor, centre: torch.Tensor, buffer: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(torch.sub(x, centre, out=buffer)))
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite. A sum is NaN or ±inf if any value is, and is much cheaper than
+    `isfinite` (docs/benchmarks.md "Robust aggregation's bound"); only a sum that overflowed from finite
+    values needs the full check."""
+    return bool(values.sum().isfinite()) or bool(torch.isfinite(values).all())

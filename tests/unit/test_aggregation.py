@@ -1,0 +1,110 @@
+"""The robust outer step's maths (swarm/averaging/aggregation.py): honest rounds keep their exact mean,
+and one member in four, whatever it sends, moves the result by at most the clip radius."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from swarmnode.swarm.averaging.aggregation import (
+    CLIP_RADIUS,
+    average,
+    centered_clip,
+    coordinate_median,
+)
+
+N = 4096
+
+
+def honest_deltas(count: int, spread: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
+    """Δs that share a direction (the round's progress) and differ by their own data's noise."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(N, generator=g)
+    return [common + spread * torch.randn(N, generator=g) for _ in range(count)]
+
+
+def radius(rows: list[torch.Tensor]) -> float:
+    """τ as the aggregator computes it from these rows."""
+    centre = coordinate_median(rows)
+    return CLIP_RADIUS * statistics.median(float((x - centre).norm()) for x in rows)
+
+
+def attacks(honest: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    mean = torch.stack(honest).mean(0)
+    g = torch.Generator().manual_seed(99)
+    direction = torch.randn(N, generator=g)
+    return {
+        "sign flip x7": -7 * honest[0],
+        "constant direction x7": direction / direction.norm() * 7 * honest[0].norm(),
+        "noise of the honest norm": torch.randn(N, generator=g) / N**0.5 * honest[0].norm(),
+        "-4x the mean": -4 * mean,
+        "x1e4": 1e4 * honest[0],
+    }
+
+
+def test_an_honest_round_is_the_plain_weighted_mean_bit_for_bit() -> None:
+    deltas = honest_deltas(4)
+    weights = [2560.0, 2560.0, 1280.0, 2560.0]
+    contributions = [(k, w, d) for k, (w, d) in enumerate(zip(weights, deltas, strict=True))]
+    robust = average(contributions, "fp32", N)
+    plain = average(contributions, "fp32", N, float("inf"))
+    assert robust.clipped == () and robust.values is not None and plain.values is not None
+    assert torch.equal(robust.values, plain.values)
+    expected = sum((w / sum(weights)) * d for w, d in zip(weights, deltas, strict=True))
+    assert torch.allclose(robust.values, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("members", [3, 4, 8])
+def test_one_member_whatever_it_sends_moves_the_result_by_at_most_the_radius(members: int) -> None:
+    honest = honest_deltas(members - 1)
+    honest_mean = torch.stack(honest).mean(0)
+    for name, attack in attacks(honest).items():
+        rows = [*honest, attack]
+        out = torch.empty(N)
+        clipped = centered_clip([(k, 1.0, x) for k, x in enumerate(rows)], out)
+        assert clipped is not None and members - 1 in clipped, (name, clipped)
+        moved = float((out - honest_mean).norm())
+        assert moved <= radius(rows), (name, moved, radius(rows))
+        plain_moved = float((torch.stack(rows).mean(0) - honest_mean).norm())
+        if name != "noise of the honest norm":  # (that one the mean bounds about as well)
+            assert plain_moved > 2 * moved, (name, plain_moved, moved)  # what the mean lets through
+
+
+def test_the_screen_still_leaves_out_the_non_finite_and_the_huge_and_clips_the_rest() -> None:
+    honest = honest_deltas(3)
+    nan = honest[0].clone()
+    nan[7] = float("nan")
+    contributions = [(0, 1.0, honest[0]), (1, 1.0, honest[1]), (2, 1.0, honest[2]), (3, 1.0, nan)]
+    contributions += [(4, 1.0, -7 * honest[0]), (5, 1.0, 1e4 * honest[1])]
+    averaged = average(contributions, "fp32", N)
+    assert dict(averaged.excluded) == {3: "nonfinite", 5: "norm"}
+    assert averaged.included == (0, 1, 2, 4) and 4 in averaged.clipped
+
+
+def test_two_members_are_averaged_as_they_are() -> None:
+    a, b = honest_deltas(1)[0], -7 * honest_deltas(1, seed=1)[0]
+    out = torch.empty(N)
+    assert centered_clip([(0, 1.0, a), (1, 1.0, b)], out) is None
+    averaged = average([(0, 1.0, a), (1, 1.0, b)], "fp32", N)
+    assert averaged.clipped == () and averaged.values is not None
+    assert torch.allclose(averaged.values, (a + b) / 2)
+
+
+def test_the_clipped_result_travels_on_every_wire() -> None:
+    honest = honest_deltas(3)
+    rows = [*honest, -7 * honest[0]]
+    reference = torch.empty(N)
+    centered_clip([(k, 1.0, x) for k, x in enumerate(rows)], reference)
+    for wire in ("bf16", "int8", "int4"):
+        averaged = average([(k, 1.0, x) for k, x in enumerate(rows)], wire, N)
+        assert 3 in averaged.clipped and averaged.values is not None
+        error = float((averaged.values - reference).norm() / reference.norm())
+        assert error < 0.2, (wire, error)  # the codec's own rounding, not the attacker
+
+
+def test_the_coordinate_median_takes_the_middle_or_the_midpoint() -> None:
+    rows = [torch.tensor([1.0, 5.0]), torch.tensor([3.0, -1.0]), torch.tensor([100.0, 2.0])]
+    assert torch.equal(coordinate_median(rows), torch.tensor([3.0, 2.0]))
+    assert torch.equal(coordinate_median(rows[:2]), torch.tensor([2.0, 2.0]))
