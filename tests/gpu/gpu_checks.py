@@ -45,7 +45,7 @@ from swarmnode.snapshot.metadata import SnapshotMetadata  # noqa: E402
 from swarmnode.snapshot.read import read_snapshot  # noqa: E402
 from swarmnode.snapshot.staging import StagingBuffers  # noqa: E402
 from swarmnode.snapshot.write import write_snapshot  # noqa: E402
-from swarmnode.swarm.recovery import read_receipts  # noqa: E402
+from swarmnode.swarm.recovery.restore import read_receipts  # noqa: E402
 from swarmnode.util.errors import ConfigError  # noqa: E402
 from swarmnode.util.metrics import Metrics  # noqa: E402
 from swarmnode.util.pinned import PinnedBuffer  # noqa: E402
