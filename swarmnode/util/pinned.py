@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every device's context, not only the current one's (a node on
+`cuda:1` while device 0 is current), as torch's own registration does."""
 ALIGN_BYTES = 64
 """Views into an arena start on this boundary (any dtype's alignment, and a cache line)."""
 
@@ -27,7 +30,8 @@ class PinnedBuffer:
         self.nbytes = numel * self.tensor.element_size()
         self.pinned = torch.cuda.is_available() and self.nbytes > 0
         if self.pinned:
-            _check(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0), "register")
+            cudart = torch.cuda.cudart()
+            _check(cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, PORTABLE), "register")
 
     def close(self) -> None:
         """Unpin (the memory stays valid as ordinary host memory until the tensor is dropped)."""
