@@ -42,6 +42,7 @@ from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
 from swarmnode.core.model_choice import ModelKind, parse_model_choice
 from swarmnode.core.model_spec import load_model_spec
+from swarmnode.core.precision import Precision
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest
 from swarmnode.util.errors import ConfigError
 from swarmnode.util.metrics import Metrics
@@ -62,6 +63,8 @@ KNOBS = (
     "mbit",
     "peers",
     "input_gb",
+    "device",
+    "precision",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 
@@ -169,20 +172,29 @@ def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
+CPU = torch.device("cpu")
 BENCH_NODE_ID = "be" * 20
 """The node id of the benches' in-process training runs (a valid id, so their snapshots are sound)."""
 
 
-def trained_run(model_name: str, train_steps: int, seq_len: int, batch_size: int) -> TrainingRun:
-    """A training run of the model (a --model value) after `train_steps` inner steps, so weights and
-    Adam moments are realistic (0: none here, nor any call that needs the training thread; the caller
-    may train it on its own)."""
+def trained_run(
+    model_name: str,
+    train_steps: int,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device = CPU,
+    precision: Precision = Precision.FP32,
+) -> TrainingRun:
+    """A training run of the model (a --model value) on `device` in `precision` after `train_steps`
+    inner steps, so weights and Adam moments are realistic (0: none here, nor any call that needs the
+    training thread; the caller may train it on its own)."""
     corpus = default_corpus()
     model = load_model_spec(model_name, corpus.vocab_size)
     loader = ShardLoader(corpus, 0, 16, batch_size, min(seq_len, model.context or seq_len), seed=0)
-    digest = run_digest(model, loader.seq_len, 16, 0, DilocoConfig(), corpus.digest)
+    diloco = DilocoConfig(precision=precision)
+    digest = run_digest(model, loader.seq_len, 16, 0, diloco, corpus.digest)
     identity = RunIdentity("bench", BENCH_NODE_ID, digest, corpus.digest, model.label)
-    run = TrainingRun(model, DilocoConfig(), loader, corpus, identity, 0, torch.device("cpu"), Metrics())
+    run = TrainingRun(model, diloco, loader, corpus, identity, 0, device, Metrics())
     if train_steps > 0:
         run.inner_phase(train_steps, None, threading.Event(), lambda: None)
     return run

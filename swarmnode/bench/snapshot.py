@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from swarmnode.bench.runner import BenchResult, load_note, median, timed, trained_run
-from swarmnode.snapshot.checkpointer import CheckpointerConfig, SpeculativeCheckpointer, StagingBuffers
+from swarmnode.snapshot.checkpointer import CheckpointerConfig, SpeculativeCheckpointer
 from swarmnode.snapshot.format import LAYOUTS
 from swarmnode.snapshot.read import read_snapshot
+from swarmnode.snapshot.staging import StagingBuffers
 from swarmnode.snapshot.write import write_snapshot
 from swarmnode.util.metrics import Metrics
 

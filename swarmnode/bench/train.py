@@ -35,53 +35,97 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from swarmnode.bench.mfu import matmul_flops_per_s, training_flops_per_token
 from swarmnode.bench.procs import NodeProcess, Worker, wait_until
 from swarmnode.bench.quality_sim import QualityRun, add_quality
 from swarmnode.bench.runner import BenchResult, load_note, median, trained_run
 from swarmnode.bench.worker_lines import answer_requests, say
-from swarmnode.core.data import ShardLoader
+from swarmnode.core.data import ShardLoader, default_corpus
 from swarmnode.core.diloco import DilocoConfig
-from swarmnode.core.model import configure_determinism
-from swarmnode.core.model_spec import ModelSpec
+from swarmnode.core.model import configure_determinism, count_parameters, select_device
+from swarmnode.core.model_spec import ModelSpec, load_model_spec
+from swarmnode.core.precision import MixedPrecision, Precision, resolve_precision
 from swarmnode.util.threads import TrainingThread
 
 BATCH_SIZE = 8
 SEQ_LEN = 128
+GPU_BATCH_SIZE = 32
+"""On a GPU a batch of 8 leaves the device waiting on kernel launches: 32 sequences measure the device."""
 NODE_HOT_EVERY = 50
+GPU_HOT_EVERY = 200
+"""On a GPU, steps are ~100× faster: the windows (from one hot snapshot to the next) are longer, so the
+node's progress lines (every PROGRESS_S) time them closely."""
 TIMEOUT_S = 900.0
-TOKENS = BATCH_SIZE * SEQ_LEN
 PROGRESS_S = 0.1
 """The node's progress interval: when each window ends is known to within this."""
 
 
+@dataclass(frozen=True)
+class TrainSetup:
+    """Where and how both sides train: the device, its precision and the batch."""
+
+    device: torch.device
+    precision: Precision
+    batch_size: int
+    hot_every: int
+
+    @classmethod
+    def on(cls, device_choice: str, precision_choice: str) -> TrainSetup:
+        device = select_device(device_choice)  # (ConfigError naming --device or --precision)
+        on_gpu = device.type == "cuda"
+        return cls(
+            device,
+            resolve_precision(precision_choice, device),
+            GPU_BATCH_SIZE if on_gpu else BATCH_SIZE,
+            GPU_HOT_EVERY if on_gpu else NODE_HOT_EVERY,
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * SEQ_LEN
+
+    def args(self) -> tuple[str, ...]:
+        """Its values as the worker's and the node's arguments."""
+        return (str(self.device), str(self.precision), str(self.batch_size))
+
+
 def bench_train(
     preset_name: str,
-    steps: int = 600,
+    steps: int | None = None,
     nodes: int = 4,
     inner_steps: int = 100,
     rounds: int = 6,
     quality: bool = True,
+    device: str = "cpu",
+    precision: str = "auto",
 ) -> BenchResult:
-    """`steps`: timed training steps (node and bare loop each); `nodes`, `inner_steps`, `rounds`: the
-    quality run's workers, H and outer steps; `quality`: run it."""
+    """`steps`: timed training steps (node and bare loop each; default 600, on a GPU 2000); `nodes`,
+    `inner_steps`, `rounds`: the quality run's workers, H and outer steps; `quality`: run it (on the
+    CPU); `device`, `precision`: where and how the node and the loops train (as `run`'s flags)."""
+    setup = TrainSetup.on(device, precision)
+    steps = steps or (2000 if setup.device.type == "cuda" else 600)
     result = BenchResult("train", preset_name)
     threads = torch.get_num_threads()
-    window = min(NODE_HOT_EVERY, max(1, steps // 2))
-    node, bare, plain = alternate(preset_name, threads, window, max(1, steps // window))
-    result.add("node tokens/s (snapshots, DHT, metrics on)", max(node) * TOKENS, "tok/s", _note(node, window))
-    result.add("bare training loop tokens/s", max(bare) * TOKENS, "tok/s", _note(bare, window))
+    window = min(setup.hot_every, max(1, steps // 2))
+    node, bare, plain = alternate(preset_name, threads, window, max(1, steps // window), setup)
+    tokens = setup.tokens
+    where = f"{setup.device} {setup.precision}, batch {setup.batch_size}x{SEQ_LEN}"
+    node_note = f"{where}; {_note(node, window, tokens)}"
+    result.add("node tokens/s (snapshots, DHT, metrics on)", max(node) * tokens, "tok/s", node_note)
+    result.add("bare training loop tokens/s", max(bare) * tokens, "tok/s", _note(bare, window, tokens))
     paired = median([n / b for n, b in zip(node, bare, strict=True)])
     result.ratio(
         "node / bare loop tokens/s",
         paired,
         f"median of {len(node)} window pairs, target 0.95-1.02; {load_note()}",
     )
-    result.add("plain torch loop tokens/s", max(plain) * TOKENS, "tok/s", _note(plain, window))
+    result.add("plain torch loop tokens/s", max(plain) * tokens, "tok/s", _note(plain, window, tokens))
     result.ratio(
         "node / plain torch loop tokens/s",
         median([n / p for n, p in zip(node, plain, strict=True)]),
@@ -92,18 +136,31 @@ def bench_train(
         max(node) / max(bare),
         "best node window / best bare window",
     )
-    if quality:
+    add_mfu(result, preset_name, setup, max(node) * tokens, max(bare) * tokens)
+    if quality and setup.device.type == "cpu":
         with tempfile.TemporaryDirectory() as tmp:
             add_quality(result, QualityRun(nodes, inner_steps, rounds), Path(tmp))
     return result
 
 
-def _note(rates: list[float], window: int) -> str:
-    return f"best of {len(rates)} windows of {window} steps, median {median(rates) * TOKENS:.0f}"
+def _note(rates: list[float], window: int, tokens: int) -> str:
+    return f"best of {len(rates)} windows of {window} steps, median {median(rates) * tokens:.0f}"
+
+
+def add_mfu(result: BenchResult, model_name: str, setup: TrainSetup, node: float, bare: float) -> None:
+    """Model FLOPs utilisation of the node and the bare loop against this device's own matmul rate in
+    the same precision, measured now (`mfu.py`)."""
+    spec = load_model_spec(model_name, default_corpus().vocab_size)
+    parameters = count_parameters(spec.build(0, torch.device("cpu")))
+    per_token = training_flops_per_token(model_name, parameters, SEQ_LEN)
+    peak = matmul_flops_per_s(setup.device, setup.precision)
+    result.add("matmul rate measured", peak / 1e12, "TFLOP/s", f"{setup.precision} square matmul")
+    result.ratio("node MFU", node * per_token / peak, f"{per_token / 1e6:.1f} MFLOP per token")
+    result.ratio("bare loop MFU", bare * per_token / peak, "against the same matmul rate")
 
 
 def alternate(
-    preset_name: str, threads: int, window: int, windows: int
+    preset_name: str, threads: int, window: int, windows: int, setup: TrainSetup
 ) -> tuple[list[float], list[float], list[float]]:
     """Steps per second of the node and of the bare loop, window by window: the node trains a window
     (from one of its snapshots to the next), is stopped (SIGSTOP) while the bare loop trains one,
@@ -112,11 +169,12 @@ def alternate(
     loop trains a window right after each bare one, while the node is still stopped."""
     args = [
         *("--model", preset_name, "--threads", str(threads), "--run-id", "bench-train", "--shard", "0"),
-        *("--batch-size", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN), "--hot-every", str(window)),
+        *("--batch-size", str(setup.batch_size), "--seq-len", str(SEQ_LEN), "--hot-every", str(window)),
+        *("--device", str(setup.device), "--precision", str(setup.precision)),
         *("--inner-steps", "1000000", "--log-format", "json", "--progress-interval", str(PROGRESS_S)),
     ]
     node_rates, bare_rates, plain_rates = [], [], []
-    bare_args = (preset_name, str(threads), str(window))
+    bare_args = (preset_name, str(threads), str(window), *setup.args())
     with tempfile.TemporaryDirectory() as tmp, Worker(Path(tmp), "bare-train", *bare_args) as worker:
         worker.read(TIMEOUT_S)  # warmed up (alone: the node starts after it)
         with NodeProcess(Path(tmp) / "node", args) as node:
@@ -140,7 +198,9 @@ def alternate(
     return node_rates, bare_rates, plain_rates
 
 
-async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
+async def bare_train(
+    preset_name: str, threads: int, warmup_steps: int, device: str, precision: str, batch_size: int
+) -> None:
     """The `bare-train` worker: `warmup_steps` untimed steps, then one timed window per request
     (`{"steps": n}`: the seconds of n inner steps, measured here; with `"plain": true`, n steps of the
     plain loop, `PlainLoop`).
@@ -149,10 +209,11 @@ async def bare_train(preset_name: str, threads: int, warmup_steps: int) -> None:
     process of its own, started like the node (same interpreter, environment, `--threads`,
     deterministic kernels, model, batch, shard 0) but with no snapshots, DHT, gRPC or metrics server.
     While it trains, the node is stopped, and while the node trains, it waits on its stdin."""
-    configure_determinism(torch.device("cpu"), threads)  # what `swarmnode run --threads` does
-    run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE)
-    plain_run = trained_run(preset_name, 0, SEQ_LEN, BATCH_SIZE)  # (its spec, loader and config)
-    plain = PlainLoop(plain_run.model_spec, plain_run.loader, plain_run.trainer.cfg)
+    where, how = torch.device(device), Precision(precision)
+    configure_determinism(where, threads)  # what `swarmnode run --threads` does
+    run = trained_run(preset_name, 0, SEQ_LEN, batch_size, where, how)
+    plain_run = trained_run(preset_name, 0, SEQ_LEN, batch_size, where, how)  # (its spec, loader, config)
+    plain = PlainLoop(plain_run.model_spec, plain_run.loader, plain_run.trainer.cfg, where)
     training, stop = TrainingThread(), threading.Event()
 
     def steps(count: int) -> float:
@@ -178,9 +239,11 @@ class PlainLoop:
     """The model trained as a user would without swarmnode: `spec.build`, AdamW (decay on matrices),
     loss, backward, clip, step, on the loader's batches."""
 
-    def __init__(self, spec: ModelSpec, loader: ShardLoader, cfg: DilocoConfig) -> None:
-        self.spec, self.loader, self.cfg = spec, loader, cfg
-        self.module = spec.build(0, torch.device("cpu"))
+    def __init__(self, spec: ModelSpec, loader: ShardLoader, cfg: DilocoConfig, device: torch.device) -> None:
+        self.spec, self.loader, self.cfg, self.device = spec, loader, cfg, device
+        self.module = spec.build(0, device)
+        self.autocast = MixedPrecision(cfg.precision, device).autocast  # (torch.autocast, or nothing)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision is Precision.FP16)
         params = list(self.module.parameters())
         self.optimizer = torch.optim.AdamW(
             [
@@ -193,16 +256,21 @@ class PlainLoop:
         )
 
     def steps(self, count: int) -> float:
-        """Seconds of `count` training steps."""
+        """Seconds of `count` training steps (each reads its loss, as a node's step does)."""
         started = time.perf_counter()
         self.module.train()
         for _ in range(count):
             batch = self.loader.next_batch()
-            loss = self.spec.loss(self.module, batch.inputs, batch.targets)
+            inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
+            with self.autocast():
+                loss = self.spec.loss(self.module, inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip, foreach=False)
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            float(loss.item())
         return time.perf_counter() - started
 
 

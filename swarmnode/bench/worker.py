@@ -7,7 +7,8 @@ A worker prints one JSON line once it listens, then answers one JSON line per re
   snapshot server (`snapshot_server.start_server`) serving it. Says `{"tcp": port, "grpc": port}`.
 - `quality`: says `{"quality": true}`; each request is a `quality_sim.SideJob` as JSON: it trains that side
   of the quality comparison (`quality_sim.train_side`) and answers its held-out curve (`Curve` as JSON).
-- `bare-train PRESET THREADS WARMUP_STEPS`: the train bench's anchor (`train.bare_train`): trains
+- `bare-train PRESET THREADS WARMUP_STEPS DEVICE PRECISION BATCH`: the train bench's anchor
+  (`train.bare_train`): trains
   WARMUP_STEPS untimed, says `{"bare": true}`; a request `{"steps": n}` trains n more and answers
   their seconds.
 - `average NODE_ID [TRUST_MODE KEYS_DIR]`: an `AveragingServicer` on a gRPC server (see `average`).
@@ -279,7 +280,7 @@ def main(argv: list[str]) -> None:
     elif role == "quality":
         asyncio.run(quality())
     elif role == "bare-train":
-        asyncio.run(bare_train(args[0], int(args[1]), int(args[2])))
+        asyncio.run(bare_train(args[0], int(args[1]), int(args[2]), args[3], args[4], int(args[5])))
     else:
         raise SystemExit(f"unknown role {role!r}")
 

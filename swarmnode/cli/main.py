@@ -164,7 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--group-size", type=int, help="swarm: the nodes' --group-size (default 4)")
     bench.add_argument("--workers", type=int, help="quality: DiLoCo workers (DP takes their batches at once)")
-    bench.add_argument("--steps", type=int, help="train: timed steps; recovery: steps between snapshots")
+    bench.add_argument(
+        "--steps",
+        type=int,
+        help="train: timed steps (default 600; 2000 on a GPU); recovery: steps between snapshots",
+    )
+    bench.add_argument(
+        "--device",
+        metavar="cpu|cuda|cuda:N",
+        help="train: where the node and the loops train (default cpu); tokens/s and MFU on that device",
+    )
+    bench.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        help="train: the node's and the loops' --precision (default auto: bf16 on a GPU that has it)",
+    )
     bench.add_argument("--inner-steps", type=int, help="DiLoCo inner steps per outer step (train, quality)")
     bench.add_argument(
         "--plot",

@@ -23,7 +23,9 @@ from torch import nn
 
 from swarmnode.core.data import Batch
 from swarmnode.core.model import next_token_loss
+from swarmnode.core.precision import MixedPrecision, Precision
 from swarmnode.core.schedule import InnerSchedule
+from swarmnode.util.pinned import PinnedBuffer
 
 Range = tuple[int, int]
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,6 +65,9 @@ class DilocoConfig:
     inner steps; 0: no cap, for in-process uses). Part of the run's agreed configuration, so every
     member refuses the same heavier offers and contributions; a node that carried rounds into one
     still contributes at most this."""
+
+    precision: Precision = Precision.FP32
+    """The inner step's autocast dtype (`precision.py`); fp32 keeps every run's digest as it was."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.outer_mix < 1:
@@ -114,13 +119,20 @@ class DilocoTrainer:
         self, model: nn.Module, cfg: DilocoConfig, device: torch.device, loss: LossFn = logits_loss
     ) -> None:
         self.model, self.cfg, self.device, self.loss = model, cfg, device, loss
+        self.precision = MixedPrecision(cfg.precision, device)
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         self.slots = _slots(named)
         total = sum(s.numel for s in self.slots)
-        self.global_flat = torch.empty(total, dtype=torch.float32)
+        on_gpu = device.type == "cuda"
+        self._pinned = [PinnedBuffer(total, torch.float32) for _ in range(2 if on_gpu else 0)]
+        """On a GPU: θ_g and Δ in page-locked memory, so each crosses to and from the device in one DMA."""
+        self.global_flat = self._pinned[0].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
         self.outer_momentum = torch.zeros(total, dtype=torch.float32)
-        self._delta = torch.empty(total, dtype=torch.float32)
+        self._delta = self._pinned[1].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
+        self._exchange = torch.empty(total, dtype=torch.float32, device=device) if on_gpu else None
+        """On a GPU: the one flat fp32 buffer through which θ, θ_g and Δ cross between device and host
+        (docs/design.md "Where the outer step runs")."""
         self._copy_local_to(self.global_flat)
         self._global_digest: str | None = None
         self.inner_opt = self._build_inner_optimizer(named)
@@ -163,11 +175,10 @@ class DilocoTrainer:
         self.model.train()
         inputs = batch.inputs.to(self.device, non_blocking=True)
         targets = batch.targets.to(self.device, non_blocking=True)
-        loss = self.loss(self.model, inputs, targets)
+        with self.precision.autocast():
+            loss = self.loss(self.model, inputs, targets)
         self.inner_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
-        self.inner_opt.step()
+        self.precision.backward_step(loss, self.inner_opt, self.params, self.cfg.grad_clip)
         return float(loss.item())
 
     @torch.no_grad()
@@ -180,9 +191,11 @@ class DilocoTrainer:
             self._copy_local_to(saved)
             self._set_local(self.global_flat, 0)
         self.model.eval()
-        losses = [
-            float(self.loss(self.model, b.inputs.to(self.device), b.targets.to(self.device))) for b in batches
-        ]
+        with self.precision.autocast():
+            losses = [
+                float(self.loss(self.model, b.inputs.to(self.device), b.targets.to(self.device)))
+                for b in batches
+            ]
         if saved is not None:
             self._set_local(saved, 0)
         return sum(losses) / len(losses)
@@ -191,9 +204,18 @@ class DilocoTrainer:
 
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = θ_g − θ as a flat fp32 CPU tensor (a reused buffer: valid until the next call)."""
-        self._copy_local_to(self._delta)
-        torch.sub(self.global_flat, self._delta, out=self._delta)
+        """Δ = θ_g − θ as a flat fp32 CPU tensor (a reused buffer: valid until the next call). On a GPU
+        Δ is computed there, in the exchange buffer (θ_g copied up once), and copied down once."""
+        exchange = self._exchange
+        if exchange is None:
+            self._copy_local_to(self._delta)
+            torch.sub(self.global_flat, self._delta, out=self._delta)
+            return self._delta
+        exchange.copy_(self.global_flat, non_blocking=True)
+        for slot, p in zip(self.slots, self.params, strict=True):
+            part = exchange[slot.offset : slot.offset + slot.numel]
+            torch.sub(part, p.detach().reshape(-1), out=part)
+        self._delta.copy_(exchange)  # (blocking: Δ is whole on the host when this returns)
         return self._delta
 
     @torch.no_grad()
@@ -250,7 +272,10 @@ class DilocoTrainer:
         self._global_digest = None
 
     def _local_range(self, start: int, end: int) -> torch.Tensor:
-        """A copy of θ[start:end] (flat positions)."""
+        """A copy of θ[start:end] (flat positions), on the host."""
+        if self._exchange is not None:
+            self._pack_local()
+            return self._exchange[start:end].cpu()
         piece = torch.empty(end - start, dtype=torch.float32)
         for slot, p in zip(self.slots, self.params, strict=True):
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
@@ -260,8 +285,10 @@ class DilocoTrainer:
         return piece
 
     def _set_local(self, piece: torch.Tensor, start: int) -> None:
-        """θ[start : start + len(piece)] ← piece (flat positions)."""
+        """θ[start : start + len(piece)] ← piece (flat positions; a GPU takes `piece` in one copy)."""
         end = start + piece.numel()
+        if self._exchange is not None:
+            piece = self._exchange[start:end].copy_(piece)
         for slot, p in zip(self.slots, self.params, strict=True):
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
@@ -280,8 +307,19 @@ class DilocoTrainer:
     # ----- flat <-> parameters -----
 
     def _copy_local_to(self, flat: torch.Tensor) -> None:
+        """flat ← θ (on a GPU: packed there, then copied down once)."""
+        if self._exchange is not None:
+            self._pack_local()
+            flat.copy_(self._exchange)
+            return
         for slot, p in zip(self.slots, self.params, strict=True):
             flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+
+    def _pack_local(self) -> None:
+        """The exchange buffer ← θ, on the device."""
+        assert self._exchange is not None
+        for slot, p in zip(self.slots, self.params, strict=True):
+            self._exchange[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
 
     # ----- the training state as named tensors -----
 
@@ -315,6 +353,7 @@ class DilocoTrainer:
             "weight_decay": self.cfg.weight_decay,
             "betas": list(self.cfg.betas),
             "grad_clip": self.cfg.grad_clip,
+            **self.precision.state_metadata(),
         }
 
     @torch.no_grad()
@@ -339,6 +378,7 @@ class DilocoTrainer:
         for p in self.params:
             self.inner_opt.state[p]["step"] = torch.tensor(step)
         self.schedule_step = int(metadata["schedule_step"])
+        self.precision.load_state(metadata)
         if restore_rng:
             restore_rng_state(tensors)
 

@@ -7,12 +7,14 @@ which keeps CPU training bitwise repeatable under `configure_determinism`.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from swarmnode.core.presets import ModelConfig
+from swarmnode.util.errors import ConfigError
 
 
 class CausalSelfAttention(nn.Module):
@@ -99,13 +101,36 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+DEVICE_NAMES = ("auto", "cpu", "cuda")
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,2})")
+
+
+def check_device_choice(text: str) -> str:
+    """auto, cpu, cuda (the current GPU) or cuda:N (GPU N); ValueError otherwise. Whether the GPU
+    exists is `select_device`'s start-up check."""
+    if text not in DEVICE_NAMES and not _CUDA_INDEX.fullmatch(text):
+        raise ValueError("must be one of auto|cpu|cuda|cuda:N")
+    return text
+
+
 def select_device(choice: str) -> torch.device:
-    """`auto`: cuda when available, else cpu; `cuda` without a GPU is a usage error."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda requested but no CUDA device is available, got 'cuda'")
+    """`auto`: cuda when available, else cpu; `cuda` or `cuda:N` without that GPU is a usage error
+    (ConfigError naming --device), as is a value that names no device."""
+    try:
+        check_device_choice(choice)
+    except ValueError as exc:
+        raise ConfigError(f"--device: {exc}, got {choice!r}") from None
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+    device = torch.device(choice)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"--device: no CUDA device is available here, got {choice!r}")
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"--device: this machine has {count} CUDA device(s), from cuda:0, got {choice!r}")
+    return device
 
 
 def configure_determinism(device: torch.device, threads: int | None) -> None:

@@ -167,6 +167,8 @@ def run_settings(
         agreed["round_tokens"] = diloco.round_tokens
     if diloco.outer_mix:  # (absent at 0, DiLoCo's own θ ← θ_g, so such runs keep their digest)
         agreed["outer_mix"] = diloco.outer_mix
+    if diloco.precision != "fp32":  # (absent at fp32, so runs from before --precision keep their digest)
+        agreed["precision"] = str(diloco.precision)
     return agreed
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmnode.core.fragments import round_steps, steps_in_rounds
+from swarmnode.core.model import check_device_choice
 from swarmnode.core.model_choice import check_model_choice
+from swarmnode.core.precision import PRECISION_CHOICES
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
@@ -29,7 +31,6 @@ from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 from swarmnode.swarm.averaging.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
 
-DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
 REACHABLE_SETTINGS = ("auto", "yes", "no")
 
@@ -50,6 +51,7 @@ class NodeConfig:
     model: str = "small"
     data: str | None = None
     device: str = "auto"
+    precision: str = "auto"
     threads: int | None = None
     inner_steps: int = 500
     inner_seconds: float | None = None
@@ -177,6 +179,8 @@ def _check_combinations(cfg: NodeConfig) -> None:
     ):
         if value > MAX_TIMEOUT_S:
             raise ConfigError(f"{flag}: at most {MAX_TIMEOUT_S:g} seconds, got {value:g}")
+    if cfg.precision == "fp16" and cfg.device == "cpu":
+        raise ConfigError("--precision: fp16 needs a CUDA device (use bf16 or fp32 on cpu), got 'fp16'")
     if not cfg.max_norm_ratio > 1:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     _check_port_clashes(cfg)
@@ -330,9 +334,24 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "device",
-        flag_values.choice(DEVICES),
-        "where to train; auto picks cuda when available",
-        choices=DEVICES,
+        check_device_choice,
+        "where to train: auto picks cuda when available; cuda:N picks GPU N",
+        metavar="auto|cpu|cuda|cuda:N",
+        details="A GPU that is not there is refused at start-up (exit 2), `--dry-run` included.",
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "precision",
+        flag_values.choice(PRECISION_CHOICES),
+        "autocast dtype of the inner step's forward pass; auto: bf16 on a GPU that has it, else fp32 "
+        "(weights, optimizer state, Δ and θ_global stay fp32); must agree across the run",
+        choices=PRECISION_CHOICES,
+        details=(
+            "fp16 scales the loss (`torch.amp.GradScaler`, its state in every snapshot) and needs a CUDA "
+            "device; bf16 runs on the CPU too. A precision other than fp32 enters the run digest, so give "
+            "it explicitly in a swarm that mixes GPUs and CPUs (auto resolves per machine). "
+            'docs/design.md "Precision and the GPU path".'
+        ),
         group=FlagGroup.TRAINING,
     ),
     Flag(

@@ -125,6 +125,7 @@ def _assemble(
         outer_mix=cfg.outer_mix,
         fragments=cfg.fragments,
         round_tokens=cfg.round_tokens,
+        precision=checked.precision,
     )
     corpus_digest = checked.corpus.digest
     settings = run_settings(checked.model, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest)
@@ -167,14 +168,15 @@ def _assemble(
 def _log_built(parts: NodeParts, corpus: str, tokens: int) -> None:
     cfg, run = parts.cfg, parts.run
     logger.info(
-        "node %s: run %s, model %s (%d params, state %.1f MB) on %s, corpus %s (%d tokens, sha256 %s…), "
-        "%d shards",
+        "node %s: run %s, model %s (%d params, state %.1f MB) on %s in %s, corpus %s (%d tokens, "
+        "sha256 %s…), %d shards",
         run.identity.node_id[:12],
         cfg.run_id,
         cfg.model,
         count_parameters(run.model),
         run.state_bytes() / 1e6,
         run.trainer.device,
+        run.trainer.precision.precision,
         corpus,
         tokens,
         run.identity.corpus_digest[:12],

@@ -26,6 +26,7 @@ import torch
 from swarmnode.core.data import Corpus, ShardLoader, load_corpus
 from swarmnode.core.model import select_device
 from swarmnode.core.model_spec import ModelSpec, load_model_spec
+from swarmnode.core.precision import Precision, resolve_precision
 from swarmnode.net.identity import Identity
 from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
@@ -42,14 +43,17 @@ class StartChecks:
     corpus: Corpus
     model: ModelSpec
     device: torch.device
+    precision: Precision
+    """--precision resolved for `device` (auto: bf16 on a GPU that has it, else fp32)."""
     security: Security
 
 
 def preflight(cfg: NodeConfig) -> StartChecks:
     """Every check a start makes before anything listens, with no side effect (`--dry-run` runs it
-    too): the data dir, the identity file, the listening host, the TLS files, the
-    device, the corpus, the model (and its context) and the shard loader. Raises ValueError (ConfigError or
-    the loader's own, each one line naming the flag and the value) for the first that fails."""
+    too): the data dir, the identity file, the listening host, the TLS files, the device and its
+    precision, the corpus, the model (and its context) and the shard loader. Raises ValueError
+    (ConfigError or the loader's own, each one line naming the flag and the value) for the first that
+    fails."""
     _check_writable_dir(cfg.data_dir, "--data-dir")
     _check_writable_dir(cfg.snapshot_dir, "--data-dir", cfg.data_dir)
     _check_not_locked(cfg.data_dir)
@@ -58,6 +62,7 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     security = Security.from_files(cfg.swarm_token, cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
     _check_ports(cfg, bulk_lanes=not security.tls)
     device = select_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
     try:
         corpus = load_corpus(cfg.data)
     except OSError as exc:
@@ -69,7 +74,7 @@ def preflight(cfg: NodeConfig) -> StartChecks:
         )
     # Every shard has the same length, so the node's own (not known before its key exists) builds too.
     ShardLoader(corpus, cfg.shard or 0, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
-    return StartChecks(corpus, model, device, security)
+    return StartChecks(corpus, model, device, precision, security)
 
 
 def exposure_warning(cfg: NodeConfig) -> str | None:

@@ -1,12 +1,13 @@
 """The speculative checkpointer: rolling hot and cold snapshots written off the training path.
 
-The training thread only copies the state into reused staging buffers (`copy_` into preallocated memory,
-pinned and on a side stream on CUDA); compression, hashing and writing happen on one background writer
-thread. At most one write is in flight: a hot snapshot that falls due meanwhile is skipped and counted,
-never waited for; a cold one waits (that wait is the stall it reports). The writer's threads run
-idle-only (SCHED_IDLE: `util/background.py`) so that they take no cycle training wants; a write still
-in flight when the next snapshot falls due, that someone waits for, or that has run idle-only for twice
-the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot starve it.
+The training thread only copies the state into reused staging buffers (`staging.py`: preallocated host
+memory; from a GPU, a pinned arena filled by a side stream); compression, hashing and writing happen on
+one background writer thread. At most one write is in flight: a hot snapshot that falls due meanwhile
+is skipped and counted, never waited for; a cold one waits (that wait is the stall it reports). The
+writer's threads run idle-only (SCHED_IDLE: `util/background.py`) so that they take no cycle training
+wants; a write still in flight when the next snapshot falls due, that someone waits for, or that has
+run idle-only for twice the last write's time (2-30 s) is hurried to nice 10, so a busy machine cannot
+starve it.
 
 A full disk: the write makes room by removing this node's oldest snapshots early (hot ones first, never
 the newest) and tries again. A write that still fails — a full disk with nothing left to remove, an
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from swarmnode.snapshot.format import (
@@ -43,7 +43,8 @@ from swarmnode.snapshot.format import (
 )
 from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import check_template, read_header
-from swarmnode.snapshot.tensors import TensorTemplate, tensor_bytes
+from swarmnode.snapshot.staging import Staged, StagingBuffers
+from swarmnode.snapshot.tensors import TensorTemplate
 from swarmnode.snapshot.write import write_snapshot
 from swarmnode.util import faults
 from swarmnode.util.background import BackgroundPriority
@@ -169,49 +170,7 @@ def _rank(info: SnapshotInfo) -> tuple[int, int, float]:
 class _Job:
     kind: str
     metadata: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-    copied: Any  # a CUDA event to wait for before reading the staging buffers, or None
-
-
-def _copy_bytes(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """A single-threaded memcpy. torch's `copy_` forks and joins its intra-op threads for every tensor,
-    and on a loaded 2-core volunteer one descheduled thread then stalls every copy (docs/benchmarks.md
-    "Component measurements": the staging copy)."""
-    np.copyto(tensor_bytes(target), tensor_bytes(source))
-    return target
-
-
-class StagingBuffers:
-    """Preallocated CPU copies of the training state, reused snapshot after snapshot."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._stream: Any = None
-
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
-        """Copy `tensors` into the buffers; returns them and a CUDA event marking the copies' end."""
-        on_cuda = any(t.is_cuda for t in tensors.values())
-        if not on_cuda:
-            return {name: _copy_bytes(self._buffer(name, t), t) for name, t in tensors.items()}, None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        producer = torch.cuda.current_stream()
-        self._stream.wait_stream(producer)
-        with torch.cuda.stream(self._stream):
-            staged = {name: self._buffer(name, t).copy_(t, non_blocking=True) for name, t in tensors.items()}
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        # Training must not overwrite the parameters before the device-to-host copies have read them;
-        # this makes the GPU (not the Python thread) wait, and only for the copy itself.
-        producer.wait_event(done)
-        return staged, done
-
-    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
-            self._buffers[name] = buffer
-        return buffer
+    staged: Staged
 
 
 class SpeculativeCheckpointer:
@@ -264,8 +223,7 @@ class SpeculativeCheckpointer:
                 return False
             self._slot.acquire()
         try:
-            staged, copied = self._staging.stage(tensors)
-            self._jobs.put(_Job(kind, dict(metadata), staged, copied))
+            self._jobs.put(_Job(kind, dict(metadata), self._staging.stage(tensors)))
         except BaseException:
             self._slot.release()  # nothing was handed over
             raise
@@ -288,6 +246,8 @@ class SpeculativeCheckpointer:
         self._jobs.put(None)
         self._thread.join(timeout_s)
         self.priority.close()
+        if not self._thread.is_alive():
+            self._staging.close()
 
     # ----- the writer thread -----
 
@@ -313,8 +273,7 @@ class SpeculativeCheckpointer:
         return min(max(2.0 * self._last_write_s, low), high)
 
     def _write(self, job: _Job) -> None:
-        if job.copied is not None:
-            job.copied.synchronize()
+        job.staged.wait()  # the device copies, if any, have landed
         self._writes += 1
         index = self._writes
         faults.hit("snapshot_write", index)
@@ -345,7 +304,7 @@ class SpeculativeCheckpointer:
             try:
                 return write_snapshot(
                     self.cfg.directory,
-                    job.tensors,
+                    job.staged.tensors,
                     job.metadata,
                     kind=job.kind,
                     layout=self.cfg.layout,

@@ -101,7 +101,19 @@ def _optimizer(value: Any) -> Mapping[str, Any]:
     optimizer = _object(value)
     _field(optimizer, "adam_step", parse_count)
     _field(optimizer, "schedule_step", parse_count)
+    if "grad_scaler" in optimizer:  # (fp16 runs only; older snapshots have none)
+        _field(optimizer, "grad_scaler", parse_grad_scaler)
     return optimizer
+
+
+def parse_grad_scaler(value: Any) -> tuple[float, int]:
+    """(scale, growth tracker) of the optimizer's `grad_scaler` entry (`core/precision.py`); ValueError
+    unless the scale is a positive finite number and the tracker a count."""
+    scaler = _object(value)
+    scale = _finite_number(scaler.get("scale"))
+    if not scale > 0:
+        raise ValueError("scale: not positive")
+    return scale, parse_count(scaler.get("growth_tracker"))
 
 
 def _checked(parse: Callable[[Any], Any]) -> Any:

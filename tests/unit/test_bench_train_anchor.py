@@ -13,7 +13,7 @@ from swarmnode.bench.train import TIMEOUT_S
 
 
 def test_bare_loop_trains_in_a_worker_of_its_own_session(tmp_path: Path) -> None:
-    with Worker(tmp_path, "bare-train", "tiny", "1", "2") as worker:
+    with Worker(tmp_path, "bare-train", "tiny", "1", "2", "cpu", "fp32", "8") as worker:
         assert worker.read(120) == {"bare": True}  # warmed up
         assert worker.proc is not None
         assert os.getsid(worker.proc.pid) != os.getsid(0)
@@ -48,7 +48,7 @@ def test_the_nodes_dirty_pages_are_flushed_while_it_is_stopped_before_each_bare_
     monkeypatch.setattr(NodeProcess, "__enter__", entered)
     monkeypatch.setattr(train.os, "sync", sync)
     monkeypatch.setattr(Worker, "ask", ask)
-    node_rates, bare_rates, plain_rates = train.alternate("tiny", 1, 4, 2)
+    node_rates, bare_rates, plain_rates = train.alternate("tiny", 1, 4, 2, train.TrainSetup.on("cpu", "auto"))
     assert len(node_rates) == len(bare_rates) == len(plain_rates) == 2
     assert events == ["sync, node stopped", "bare window", "plain window"] * 2, (
         "each flush runs with the node stopped (untimed)"

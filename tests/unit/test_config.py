@@ -299,7 +299,8 @@ def test_help_shows_one_default_and_the_choices_of_each_flag() -> None:
     for shown in (
         "--model tiny|small|base|hf:PATH|py:MOD:FN",
         "--layout {planes,plain}",
-        "--device {auto,cpu,cuda}",
+        "--device auto|cpu|cuda|cuda:N",
+        "--precision {auto,fp32,bf16,fp16}",
     ):
         assert shown in text
     assert "--wire-dtype {fp32,bf16,int8,int4}" in text
