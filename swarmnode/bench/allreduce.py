@@ -16,9 +16,12 @@ member reached each phase (`AllReduceResult.phases`). The bound is what the butt
 through each member's link: 2(N−1)/N · bytes, at the speed of a raw loopback TCP transfer of the same
 bytes between two processes, sampled beside each round.
 
-`--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, no
-norm screening) in the same run: `robust` (the norm screening), `signed` (signed headers and chunks:
-token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), each with screening.
+`--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, the
+plain mean) in the same run: `robust` (the robust outer step of an honest round: the norm screen, the
+coordinate-wise median and the distances that find nobody far, then the mean), `clipped` (the same when
+member 0 sends −7 × its Δ, so every part clips: CenteredClip's three iterations), `signed` (signed
+headers and chunks: token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), each
+robust.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from swarmnode.util.errors import ConfigError
 
 WORKER_START_S = 120.0
 ROUND_TIMEOUT_S = 300.0
-TRUST_MODES = ("plain", "robust", "signed", "tls")
+TRUST_MODES = ("plain", "robust", "clipped", "signed", "tls")
+CLIPPED_SCALE = -7.0
+"""Member 0's Δ in the `clipped` mode: under the norm screen's 8, far beyond the others'."""
 
 
 def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResult:
@@ -65,7 +70,7 @@ def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResul
                 seconds, coverage = [], 1.0
                 for r in range(rounds):
                     spec = GroupSpec("bench", r, f"{mode}-{r}", members, "bf16", ROUND_TIMEOUT_S)
-                    replies = _one_round(workers, spec, numel)
+                    replies = _one_round(workers, spec, numel, CLIPPED_SCALE if mode == "clipped" else 1.0)
                     coverage = min([coverage, *(reply["coverage"] for reply in replies)])
                     seconds.append(max(reply["seconds"] for reply in replies))
             best[mode] = min(seconds)
@@ -151,9 +156,13 @@ def _param_count(preset_name: str) -> int:
     return count_parameters(build_model(preset(preset_name, 256), 0, torch.device("cpu")))
 
 
-def _one_round(workers: list[Worker], spec: GroupSpec, numel: int) -> list[dict[str, Any]]:
+def _one_round(
+    workers: list[Worker], spec: GroupSpec, numel: int, scale0: float = 1.0
+) -> list[dict[str, Any]]:
+    """One all-reduce of random Δs (member k's from seed k; member 0's × `scale0`)."""
     for k, worker in enumerate(workers):
-        if not worker.ask({"spec": spec.to_dict(), "numel": numel, "seed": k}, ROUND_TIMEOUT_S)["ready"]:
+        request = {"spec": spec.to_dict(), "numel": numel, "seed": k, "scale": scale0 if k == 0 else 1.0}
+        if not worker.ask(request, ROUND_TIMEOUT_S)["ready"]:
             raise RuntimeError(f"member {k} refused group {spec.group_id}")
     for worker in workers:
         worker.send({"go": True})

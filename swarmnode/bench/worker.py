@@ -161,6 +161,7 @@ class Member:
             if self.delta.numel() != request["numel"]:
                 generator = torch.Generator().manual_seed(int(request["seed"]))
                 self.delta = torch.randn(int(request["numel"]), generator=generator)
+                self.delta.mul_(float(request.get("scale", 1.0)))
                 self.out = torch.empty_like(self.delta)  # reused round after round, as gloo's in-place
             return {"ready": self.servicer.expect(self.spec)}
         assert self.spec is not None, "go before spec"
@@ -179,9 +180,10 @@ class Member:
 
 
 async def average(node_id: str, trust_mode: str = "plain", keys: Path | None = None) -> None:
-    """`trust_mode` (`bench.allreduce.TRUST_MODES`): plain (headers trusted, no norm screening), robust
-    (norm screening), signed (signed headers and chunks, screening) or tls (mutual TLS, screening);
-    `keys` holds the identity key `NODE_ID.key` and, for tls, `NODE_ID.pem`/`.pem.key` and `ca.pem`."""
+    """`trust_mode` (`bench.allreduce.TRUST_MODES`): plain (headers trusted, the plain mean), robust or
+    clipped (the robust outer step), signed (signed headers and chunks, robust) or tls (mutual TLS,
+    robust); `keys` holds the identity key `NODE_ID.key` and, for tls, `NODE_ID.pem`/`.pem.key` and
+    `ca.pem`."""
     torch.set_num_threads(1)  # the group's members share the machine's cores
     trust, security = UNCHECKED, Security()
     if trust_mode in ("signed", "tls") and keys is not None:

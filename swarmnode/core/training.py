@@ -238,6 +238,7 @@ class TrainingRun:
         self.progress = Progress(committed_cursor=loader.state_dict())
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
         self.tokens_per_second = 0.0
+        self._last_average: torch.Tensor | None = None  # (test faults only: `_poisoned`)
         self._rate_window: tuple[float, int] = (time.monotonic(), 0)
         self.sample = self._sample()
 
@@ -311,7 +312,8 @@ class TrainingRun:
         assert p.committed_cursor is not None
         in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
         fragment = self.fragments.for_round(p.outer_step)
-        delta = _poisoned(self.fragments.delta_of(self.trainer.pseudo_gradient(), fragment), p.outer_step + 1)
+        delta = self.fragments.delta_of(self.trainer.pseudo_gradient(), fragment)
+        delta = _poisoned(delta, p.outer_step + 1, self._last_average)
         return RoundStart(
             p.outer_step,
             dict(p.committed_cursor),
@@ -345,6 +347,8 @@ class TrainingRun:
         fragment = self.fragments.for_round(p.outer_step)
         assert overlapped is None or overlapped.fragment == fragment, (overlapped, fragment)
         averaged = self.fragments.lift(averaged, fragment)
+        if averaged.covered and faults.armed("delta"):  # (test-only: follow@delta's target)
+            self._last_average = averaged.delta.clone()
         if overlapped is None:
             self.trainer.outer_step(averaged)
         else:
@@ -478,16 +482,31 @@ class TrainingRun:
         self.metrics.outer_step.set(p.outer_step)
 
 
-def _poisoned(delta: torch.Tensor, round_index: int) -> torch.Tensor:
-    """Test-only (`scale@delta`, `nan@delta`): a copy of Δ scaled, or with NaNs in every part, to hand
-    to the all-reduce as a poisoner would; the trainer's own Δ is untouched. Inert unless set."""
-    scale, nan = faults.due("scale", "delta", round_index), faults.due("nan", "delta", round_index)
-    if scale is None and nan is None:
+POISONS = ("scale", "nan", "direction", "noise", "follow")
+
+
+def _poisoned(delta: torch.Tensor, round_index: int, last_average: torch.Tensor | None) -> torch.Tensor:
+    """Test-only (`scale@delta`, `nan@delta`, `direction@delta`, `noise@delta`, `follow@delta`): a copy
+    of Δ as a poisoner would hand it to the all-reduce; the trainer's own Δ is untouched. Inert unless
+    set. `last_average`: the last round's averaged Δ (follow's target; None before the first)."""
+    due = {action: faults.due(action, "delta", round_index) for action in POISONS}
+    fired = [f for f in due.values() if f is not None]
+    if not fired:
         return delta
     poisoned = delta.clone()
-    if scale is not None:
+    norm = float(delta.norm())
+    if (direction := due["direction"]) is not None:
+        fixed = torch.randn(delta.numel(), generator=torch.Generator().manual_seed(1234))
+        poisoned = (fixed / fixed.norm() * (direction.arg or 7.0) * norm).to(delta.dtype)
+    if (noise := due["noise"]) is not None:
+        fresh = torch.randn(delta.numel())
+        poisoned = (fresh / fresh.norm() * (noise.arg or 1.0) * norm).to(delta.dtype)
+    if (follow := due["follow"]) is not None:
+        target = last_average if last_average is not None and last_average.shape == delta.shape else delta
+        poisoned = target.to(delta.dtype) * (follow.arg if follow.arg is not None else -4.0)
+    if (scale := due["scale"]) is not None:
         poisoned.mul_(scale.arg if scale.arg is not None else 1000.0)
-    if nan is not None:
+    if due["nan"] is not None:
         poisoned[::997] = float("nan")  # every part of any group holds some
-    logger.warning("fault: round %d's pseudo-gradient is poisoned (%s)", round_index, scale or nan)
+    logger.warning("fault: round %d's pseudo-gradient is poisoned (%s)", round_index, fired[0])
     return poisoned

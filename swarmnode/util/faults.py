@@ -10,6 +10,11 @@ Tests set `SWARMNODE_FAULTS` on a `swarmnode run` child, e.g.::
     skew@clock=180              the process's wall clock runs 180 s ahead (negative: behind)
     scale@delta#1=1000          the pseudo-gradient it sends in round 1 (outer step 0) is ×1000 (a poisoner)
     nan@delta                   the pseudo-gradients it sends hold NaNs
+    direction@delta=7           it sends one fixed random direction, 7 × its Δ's norm, every round
+    noise@delta                 it sends fresh random noise of its Δ's norm
+    follow@delta=-4             it sends −4 × the last round's average (its own Δ the first round)
+    lie@weight=100              it declares 100 × the tokens it trained (offers and headers)
+    drop@allreduce_send         it accepts groups, then sends and reduces nothing (a no-show)
     lie@sender                  its all-reduce headers claim another member's index and node id
     lie@part                    its all-reduce headers claim another member's part
     corrupt@serve_range         every state range it serves to a recovering peer has a byte flipped
@@ -36,7 +41,10 @@ from swarmnode.util import clock
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "sleep", "stop", "corrupt", "truncate", "skew", "scale", "nan", "lie")
+ACTIONS = (
+    *("kill", "sleep", "stop", "corrupt", "truncate", "skew"),
+    *("scale", "nan", "direction", "noise", "follow", "lie", "drop"),
+)
 THREAD_POINTS = (
     "inner_step",  # after each inner step (training thread)
     "overlap_step",  # after each inner step taken while a round is in flight (--overlap on)
@@ -50,7 +58,7 @@ THREAD_POINTS = (
 LOOP_POINTS = (
     "fetch_chunk",  # each chunk a recovery or repair download receives
     "global_params",  # after an outer step; corrupt makes the node's global params go astray
-    "allreduce_send",  # before each part an all-reduce member sends
+    "allreduce_send",  # before each part an all-reduce member sends; drop: it sends and reduces nothing
     "allreduce_reduce",  # before a reducer publishes its part's average
     "lead_round",  # a round's leader, after it offered and before it proposes the group
     "serve_range",  # each state range served to a recovering peer; corrupt flips a byte
@@ -59,7 +67,9 @@ LOOP_POINTS = (
 LOOKED_UP_POINTS = (
     "serve_stream",  # truncate: streams end early
     "clock",  # skew: the wall clock is off
-    "delta",  # scale, nan: the pseudo-gradient handed to the all-reduce (#COUNT: the round, from 1)
+    "delta",  # scale, nan, direction, noise, follow: the pseudo-gradient handed to the all-reduce
+    # (#COUNT: the round, from 1)
+    "weight",  # lie: the token weight declared in offers and headers
     "sender",  # lie: all-reduce headers name another member as their sender
     "part",  # lie: all-reduce headers name another member's part
 )
@@ -146,7 +156,7 @@ def _matching(point: str, index: int | None) -> list[tuple[Fault, int]]:
 
 
 def _act(fault: Fault, count: int) -> Fault | None:
-    """Carries out a kill or stop fault; returns a data fault (corrupt/truncate) for the caller."""
+    """Carries out a kill or stop fault; returns a data fault (corrupt/truncate/drop) for the caller."""
     if fault.action == "kill":
         logger.warning("fault: SIGKILL at %s #%d", fault.point, count)
         logging.shutdown()

@@ -10,7 +10,14 @@ import json
 import time
 
 from swarmnode.net.dht_records import DHTEntry
-from swarmnode.swarm.averaging.matchmaking import PROPOSE_TIMEOUT_S, Matchmaker, Offer, Outcome, round_key
+from swarmnode.swarm.averaging.matchmaking import (
+    MAX_NO_SHOW_ROUNDS,
+    PROPOSE_TIMEOUT_S,
+    Matchmaker,
+    Offer,
+    Outcome,
+    round_key,
+)
 from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
@@ -419,3 +426,17 @@ def test_a_member_that_delivered_nothing_sits_out_the_groups_its_leader_forms_fo
     assert silent not in groups[5] and silent not in groups[6] and len(groups[5]) == 2
     assert silent in groups[7] and len(groups[7]) == 3
     assert refused == ["no_show"]
+
+
+def test_a_member_that_keeps_delivering_nothing_is_left_out_longer_each_time() -> None:
+    """Two rounds for a link that broke once; a member that does it again within as many rounds of
+    coming back is left out twice as long, up to MAX_NO_SHOW_ROUNDS; a lapse long after starts over."""
+    node, silent = swarm(2)[0], "ab" * 20
+    refused: list[str] = []
+    node.on_refused = refused.append
+    spans = []
+    for step in (4, 7, 12, 21, 38, 71, 136, 201, 500):
+        node.note_no_shows([silent], step)
+        spans.append(node.left_out_until(silent) - step)
+    assert spans == [2, 4, 8, 16, 32, 64, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, 2]
+    assert refused == ["no_show"] * 9

@@ -131,3 +131,30 @@ def test_poisoning_and_lying_faults_parse_and_apply_only_where_due() -> None:
         assert faults.find("lie", "sender") is not None and faults.find("lie", "part") is None
     finally:
         faults.configure(None)
+
+
+def test_the_attack_faults_send_what_they_say() -> None:
+    """The chaos cell's attackers (`tests/chaos/test_attacks.py`): each poison is what its spec names."""
+    from swarmnode.core.training import _poisoned
+
+    delta, last = torch.randn(1000), torch.randn(1000)
+    original = delta.clone()
+    try:
+        faults.configure("direction@delta=7")
+        first, second = _poisoned(delta, 1, None), _poisoned(2 * delta, 2, None)
+        assert abs(float(first.norm()) - 7 * float(delta.norm())) < 1e-3 * float(delta.norm())
+        assert torch.allclose(first / first.norm(), second / second.norm())  # one fixed direction
+        faults.configure("noise@delta")
+        noise = _poisoned(delta, 1, None)
+        assert (
+            abs(float(noise.norm() / delta.norm()) - 1) < 1e-4
+            and abs(float(noise @ delta)) < float(delta.norm()) ** 2 / 4
+        )
+        faults.configure("follow@delta=-4")
+        assert torch.equal(_poisoned(delta, 1, None), -4 * delta)  # its own Δ before any average
+        assert torch.equal(_poisoned(delta, 2, last), -4 * last)
+        assert torch.equal(delta, original)  # the trainer's Δ is never touched
+        faults.configure("lie@weight=100,drop@allreduce_send")
+        assert faults.find("lie", "weight").arg == 100 and faults.find("drop", "allreduce_send") is not None
+    finally:
+        faults.configure(None)

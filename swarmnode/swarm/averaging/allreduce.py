@@ -191,11 +191,17 @@ class _Butterfly:
             signing = self.servicer.trust.signs_chunks
             self.signatures = await asyncio.to_thread(self._sign_parts) if signing else {}
             self._mark("encoded")
-            await faults.ahit("allreduce_send")  # before the first part
-            tasks = [asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers]
-            if self.spec.reduces(self.me):
-                tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
-            await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
+            fault = await faults.ahit("allreduce_send")
+            if fault is not None and fault.action == "drop":  # test-only: a no-show
+                logger.warning("fault: group %s: sending and reducing nothing", self.spec.group_id)
+                await asyncio.sleep(max(self.deadline - asyncio.get_running_loop().time(), 0.0))
+            else:
+                tasks = [
+                    asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers
+                ]
+                if self.spec.reduces(self.me):
+                    tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
+                await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
         finally:
             await settle(*tasks)
             await asyncio.gather(*self.decodes, return_exceptions=True)

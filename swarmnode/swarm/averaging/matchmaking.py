@@ -73,7 +73,9 @@ must not turn into a flood of look-ups)."""
 MAX_REMEMBERED_REFUSALS = 4096
 """Offers refused for their weight that a node remembers, so it counts each once (bounded)."""
 NO_SHOW_ROUNDS = 2
-"""Rounds a leader leaves out a member that was in its last group and delivered nothing to it."""
+"""Rounds a leader leaves out a member that was in its last group and delivered nothing to it; doubled
+for each time it does so again within as many rounds of coming back, up to MAX_NO_SHOW_ROUNDS."""
+MAX_NO_SHOW_ROUNDS = 64
 MAX_REMEMBERED_NO_SHOWS = 1024
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
@@ -131,6 +133,14 @@ class Offer(msgspec.Struct, frozen=True):
         )
 
 
+
+@dataclass(frozen=True)
+class _NoShow:
+    until: int
+    """The last round this node's groups leave the member out of."""
+    rounds: int
+    """How many rounds that was."""
+
 @dataclass(frozen=True)
 class Outcome:
     """What matchmaking decided: a group (possibly of one), or that this node must repair itself."""
@@ -169,7 +179,7 @@ class Matchmaker:
         contribution weigh in a round (`round_token_cap`): a heavier offer is left out of groups."""
         self.max_weight = max_weight
         self._over_weight: set[tuple[str, int]] = set()  # (node, round) of offers refused for weight
-        self._no_shows: dict[str, int] = {}  # node → the last round this node's groups leave it out of
+        self._no_shows: dict[str, _NoShow] = {}  # node → the rounds this node's groups leave it out of
         self.group_size = group_size
         self.dht, self.node_id, self.address = dht, node_id, address
         self.reachable, self.fetch_group = reachable, fetch_group
@@ -349,18 +359,28 @@ class Matchmaker:
 
     def note_no_shows(self, node_ids: Sequence[str], outer_step: int) -> None:
         """Members of this node's group in round `outer_step` that delivered nothing to it: groups this
-        node leads leave them out for the next NO_SHOW_ROUNDS rounds (counted and logged each time)."""
+        node leads leave them out for the next NO_SHOW_ROUNDS rounds, twice as many each time a member
+        does it again within as many rounds of coming back (a volunteer whose link broke once costs two
+        rounds; one that takes the groups' time on purpose, a number of rounds logarithmic in the run's).
+        Counted and logged each time."""
         for node_id in node_ids:
-            self._no_shows.pop(node_id, None)
-            self._no_shows[node_id] = outer_step + NO_SHOW_ROUNDS
+            last = self._no_shows.pop(node_id, None)
+            again = last is not None and outer_step <= last.until + last.rounds
+            rounds = min(2 * last.rounds, MAX_NO_SHOW_ROUNDS) if again and last else NO_SHOW_ROUNDS
+            self._no_shows[node_id] = _NoShow(outer_step + rounds, rounds)
             self.on_refused(AveragingReject.NO_SHOW)
             logger.warning(
                 "round %d: %s was in the group and delivered nothing: left out of the groups this node "
                 "leads for %d rounds",
-                *(outer_step, node_id[:12], NO_SHOW_ROUNDS),
+                *(outer_step, node_id[:12], rounds),
             )
         while len(self._no_shows) > MAX_REMEMBERED_NO_SHOWS:
             del self._no_shows[next(iter(self._no_shows))]
+
+    def left_out_until(self, node_id: str) -> int:
+        """The last round this node's groups leave `node_id` out of for delivering nothing (−1: none)."""
+        no_show = self._no_shows.get(node_id)
+        return no_show.until if no_show is not None else -1
 
     def _refuse_weight(self, offer: Offer) -> None:
         """Counts and logs an offer over the weight cap, once per node and round."""
@@ -412,7 +432,7 @@ class Matchmaker:
         if self._proposal.done():  # another leader's proposal arrived first: follow it
             return Outcome(self._proposal.result())
         ordered = sorted(
-            (o for o in members if self._no_shows.get(o.node_id, -1) < own.outer_step),
+            (o for o in members if self.left_out_until(o.node_id) < own.outer_step),
             key=lambda o: o.node_id,
         )
         if len(ordered) == 1:
