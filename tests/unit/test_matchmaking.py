@@ -440,3 +440,27 @@ def test_a_member_that_keeps_delivering_nothing_is_left_out_longer_each_time() -
         spans.append(node.left_out_until(silent) - step)
     assert spans == [2, 4, 8, 16, 32, 64, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, 2]
     assert refused == ["no_show"] * 9
+
+
+def test_a_member_left_out_for_delivering_nothing_does_not_lead_either() -> None:
+    """Were the no-show first in rank, the others would follow it into another empty round: they pass
+    it over as a leader and refuse its proposal (`no_show`), and a group without it from the next in
+    rank is taken."""
+
+    async def scenario() -> tuple[GroupSpec | None, GroupSpec | None, list[str]]:
+        nodes, refused = proposals_under_test(3)
+        pending = await offering(nodes, 4)
+        entries = entries_of(nodes)
+        ranked = sorted(nodes, key=lambda n: (Offer.from_entry(n.node_id, entries[n]).deadline, n.node_id))
+        silent, next_in_rank, other = ranked
+        other.note_no_shows([silent.node_id], 3)
+        refused.clear()
+        by_silent = await other.on_proposal(their_group(nodes, 4), silent.node_id)
+        without = their_group([next_in_rank, other], 4)
+        by_next = await other.on_proposal(without, next_in_rank.node_id)
+        await cancel(pending)
+        return by_silent, by_next, refused
+
+    by_silent, by_next, refused = asyncio.run(scenario())
+    assert by_silent is None and refused == ["no_show"]
+    assert by_next is not None and len(by_next.members) == 2

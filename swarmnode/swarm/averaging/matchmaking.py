@@ -133,13 +133,13 @@ class Offer(msgspec.Struct, frozen=True):
         )
 
 
-
 @dataclass(frozen=True)
 class _NoShow:
     until: int
     """The last round this node's groups leave the member out of."""
     rounds: int
     """How many rounds that was."""
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -248,7 +248,8 @@ class Matchmaker:
         """Why the round's offers do not bear this group out (None: they do). An offer this node has
         not seen yet makes it read the round's offers again, a bounded number of times a round and
         within PROPOSAL_READ_BUDGET_S."""
-        problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
+        left_out = self._left_out(spec.round)
+        problem = _group_problem(spec, proposer, self._round_offers, self.node_id, left_out)
         if problem is not None and self._offer_reads < MAX_PROPOSAL_READS:
             self._offer_reads += 1
             with contextlib.suppress(asyncio.TimeoutError):
@@ -256,7 +257,7 @@ class Matchmaker:
                     self._current_offers(round_key(self.run_id)), PROPOSAL_READ_BUDGET_S
                 )
                 self._round_offers.update(_for_round(current, spec.round))
-                problem = _group_problem(spec, proposer, self._round_offers, self.node_id)
+                problem = _group_problem(spec, proposer, self._round_offers, self.node_id, left_out)
         return problem
 
     # ----- the node's own matchmaking -----
@@ -377,6 +378,10 @@ class Matchmaker:
         while len(self._no_shows) > MAX_REMEMBERED_NO_SHOWS:
             del self._no_shows[next(iter(self._no_shows))]
 
+    def _left_out(self, outer_step: int) -> frozenset[str]:
+        """The members this node leaves out of round `outer_step` for delivering nothing (never itself)."""
+        return frozenset(n for n, no_show in self._no_shows.items() if no_show.until >= outer_step)
+
     def left_out_until(self, node_id: str) -> int:
         """The last round this node's groups leave `node_id` out of for delivering nothing (−1: none)."""
         no_show = self._no_shows.get(node_id)
@@ -406,7 +411,8 @@ class Matchmaker:
         if astray is not None:
             return astray
         reference = swarm_digest(offers)
-        members = [o for o in offers if o.global_digest == reference]
+        left_out = self._left_out(own.outer_step)  # (nor do they lead: `_group_problem`)
+        members = [o for o in offers if o.global_digest == reference and o.node_id not in left_out]
         for _ in range(MAX_LEADER_FAILOVERS + 1):
             if len(members) == 1:
                 return Outcome(None, reason="no partner offered in time")
@@ -431,12 +437,7 @@ class Matchmaker:
         assert self._proposal is not None
         if self._proposal.done():  # another leader's proposal arrived first: follow it
             return Outcome(self._proposal.result())
-        ordered = sorted(
-            (o for o in members if self.left_out_until(o.node_id) < own.outer_step),
-            key=lambda o: o.node_id,
-        )
-        if len(ordered) == 1:
-            return Outcome(None, reason="every partner delivered nothing last time it was in a group")
+        ordered = sorted(members, key=lambda o: o.node_id)  # (`_decide` left out the no-shows)
         spec = self._round_spec(own, ordered)
         self._proposal.set_result(spec)  # from now on this node refuses other proposals
         self._remember_led(spec)
@@ -593,11 +594,18 @@ def _leader(offers: Sequence[Offer]) -> Offer | None:
     return min((o for o in offers if o.reachable), key=_rank, default=None)
 
 
-def _group_problem(spec: GroupSpec, proposer: str | None, offers: dict[str, Offer], me: str) -> str | None:
+def _group_problem(
+    spec: GroupSpec,
+    proposer: str | None,
+    offers: dict[str, Offer],
+    me: str,
+    left_out: frozenset[str] = frozenset(),
+) -> str | None:
     """Why `offers` (the round's, this node's own included) do not bear `spec` out: its proposer is not
     among the leaders the round's rule designates (the first-ranked reachable offer of this node's
     global digest, or one of the next MAX_LEADER_FAILOVERS that take over from a silent one), or a
-    member it names has no offer for the round that says what the group says of it."""
+    member it names has no offer for the round that says what the group says of it. Members this node
+    leaves out for delivering nothing (`left_out`) neither lead nor count in the leaders' rank."""
     own = offers.get(me)
     if own is None:
         return AveragingReject.NOT_OFFERED
@@ -606,8 +614,15 @@ def _group_problem(spec: GroupSpec, proposer: str | None, offers: dict[str, Offe
         if offer is None or offer.member() != member:
             return AveragingReject.NOT_OFFERED
     if proposer is not None:
+        if proposer in left_out:
+            return AveragingReject.NO_SHOW
         ranked = sorted(
-            (o for o in offers.values() if o.reachable and o.global_digest == own.global_digest), key=_rank
+            (
+                o
+                for o in offers.values()
+                if o.reachable and o.global_digest == own.global_digest and o.node_id not in left_out
+            ),
+            key=_rank,
         )
         if proposer not in {o.node_id for o in ranked[: MAX_LEADER_FAILOVERS + 1]}:
             return AveragingReject.NOT_LEADER
