@@ -7,12 +7,12 @@ which keeps CPU training bitwise repeatable under `configure_determinism`.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarmnode.core.device_choice import check_device_choice
 from swarmnode.core.presets import ModelConfig
 from swarmnode.util.errors import ConfigError
 
@@ -99,18 +99,6 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> GPT:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-DEVICE_NAMES = ("auto", "cpu", "cuda")
-_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,2})")
-
-
-def check_device_choice(text: str) -> str:
-    """auto, cpu, cuda (the current GPU) or cuda:N (GPU N); ValueError otherwise. Whether the GPU
-    exists is `select_device`'s start-up check."""
-    if text not in DEVICE_NAMES and not _CUDA_INDEX.fullmatch(text):
-        raise ValueError("must be one of auto|cpu|cuda|cuda:N")
-    return text
 
 
 def select_device(choice: str) -> torch.device:

@@ -21,9 +21,6 @@ import torch
 from swarmnode.snapshot.metadata import parse_grad_scaler
 from swarmnode.util.errors import ConfigError
 
-PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
-"""`--precision` values: auto is bf16 on a CUDA device that supports it, else fp32."""
-
 
 class Precision(StrEnum):
     FP32 = "fp32"

@@ -18,10 +18,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from swarmnode.core.device_choice import PRECISION_CHOICES, check_device_choice
 from swarmnode.core.fragments import round_steps, steps_in_rounds
-from swarmnode.core.model import check_device_choice
 from swarmnode.core.model_choice import check_model_choice
-from swarmnode.core.precision import PRECISION_CHOICES
 from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerSchedule, LrSchedule
 from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
