@@ -700,3 +700,20 @@ def member_main(node_id: str, n: int, seed: int, weight: float) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["member"]:
         member_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+
+
+def test_a_screened_contribution_is_known_to_every_member_as_delivered() -> None:
+    """A member whose Δ the norm screen left out delivered it: every member learns that from the
+    reducers' answers (so it is no no-show), and its Δ is in no part."""
+    deltas, weights = random_deltas(3, 30_000), [1.0, 1.0, 1.0]
+    deltas[2] = deltas[2] * 1000
+
+    async def scenario() -> list[AllReduceResult]:
+        async with swarm(3) as nodes:
+            return await allreduce(nodes, group([x.member for x in nodes]), deltas, weights)
+
+    results = run(scenario())
+    for result in results:
+        assert result.screened == {2}
+        assert all(members == {0, 1} for members in result.included)
+    assert torch.allclose(results[0].averaged.delta, weighted_average(deltas[:2], weights[:2]), atol=1e-6)

@@ -106,18 +106,20 @@ class Contribution(_message.Message):
     def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class AveragedHeader(_message.Message):
-    __slots__ = ("contributors", "part_elements", "wire_dtype", "included", "bulk")
+    __slots__ = ("contributors", "part_elements", "wire_dtype", "included", "bulk", "excluded")
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PART_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     contributors: int
     part_elements: int
     wire_dtype: str
     included: _containers.RepeatedScalarFieldContainer[int]
     bulk: bool
-    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., included: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ...) -> None: ...
+    excluded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, contributors: _Optional[int] = ..., part_elements: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., included: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ..., excluded: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AveragedPart(_message.Message):
     __slots__ = ("header", "offset", "data")

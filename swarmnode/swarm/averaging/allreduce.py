@@ -70,6 +70,9 @@ class AllReduceResult:
     seconds: float
     included: tuple[frozenset[int], ...]
     """Per part: the members whose contributions were averaged into it (none: the part is not covered)."""
+    screened: frozenset[int] = frozenset()
+    """Members whose contributions reached a reducer and were left out by its robust aggregation: they
+    delivered (no no-shows), though their Δ is in no part."""
     phases: tuple[tuple[str, float], ...] = ()
     """Seconds since the all-reduce began at which this member reached each phase, in order: `encoded`
     (its parts' images made), `sent` (its parts handed to gRPC), `reduced` (its own part averaged),
@@ -162,6 +165,7 @@ class _Butterfly:
         self.out = out if out is not None else torch.empty(delta.numel(), dtype=torch.float32)
         """The averaged Δ: each part's average is decoded (fp32: received) straight into its range."""
         self.parts: dict[int, _Part] = {}
+        self.screened: set[int] = set()  # (see `AllReduceResult.screened`)
         """The parts whose average arrived whole."""
         self.decodes: list[asyncio.Future[Any]] = []
         self.borrowed: list[memoryview] = []
@@ -213,7 +217,8 @@ class _Butterfly:
         included = tuple(self.parts.get(k, frozenset()) for k in range(len(self.spec.members)))
         seconds = time.monotonic() - started
         phases = tuple(self.phases.items())
-        result = AllReduceResult(averaged, self.bytes_sent + rnd.result_bytes, seconds, included, phases)
+        sent = self.bytes_sent + rnd.result_bytes
+        result = AllReduceResult(averaged, sent, seconds, included, frozenset(self.screened), phases)
         logger.info(
             "group %s round %d: averaged %.0f%% of Δ with %d members in %.2f s, sent %d bytes",
             *(self.spec.group_id, self.spec.round, 100 * averaged.coverage, len(self.spec.members)),
@@ -270,6 +275,7 @@ class _Butterfly:
         self._mark("reduced")
         await faults.ahit("allreduce_reduce")
         rnd.publish(averaged)
+        self.screened.update(index for index, _ in averaged.excluded)
         if averaged.values is not None:  # decoded into `mine`
             self.parts[self.me] = frozenset(averaged.included)
         absent = len(self.spec.members) - averaged.contributors - rnd.weightless - (self.weight == 0)
@@ -422,6 +428,7 @@ class _Butterfly:
         if h is None:
             return None
         included = _included(h.included, len(self.spec.members))
+        self.screened.update(_included(h.excluded, len(self.spec.members)))
         if not included or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:
             return None
         # fp32: the image is the values, so it lands in `out` itself; others decode into it.

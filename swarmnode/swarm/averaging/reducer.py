@@ -674,6 +674,7 @@ async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged, lane: 
         wire_dtype=rnd.spec.wire_dtype,
         included=averaged.included,
         bulk=lane is not None,
+        excluded=sorted(index for index, _ in averaged.excluded),
     )
     if lane is not None:
         image = averaged.image if averaged.image is not None else memoryview(b"")

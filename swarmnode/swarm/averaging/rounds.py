@@ -200,7 +200,7 @@ class SwarmRounds:
         members = tuple(m.node_id for m in spec.members)
         delivered = [m for k, m in enumerate(spec.members) if k in result.delivered]
         if plan is None:
-            self._note_no_shows(spec, result.included)
+            self._note_no_shows(spec, result.included, result.screened)
         cursors = {m.node_id: m.cursor for m in delivered if m.cursor is not None}
         self._count(result.seconds, result.bytes_sent, len(members), coverage)
         note = ""
@@ -240,11 +240,13 @@ class SwarmRounds:
             groups=1 if plan is None else len(plan.groups),
         )
 
-    def _note_no_shows(self, spec: GroupSpec, included: tuple[frozenset[int], ...]) -> None:
-        """Members of positive weight in none of the parts this node holds, while others are: they
-        accepted the group and delivered nothing (a member that broke, or one that takes the group's
-        time on purpose)."""
-        heard = frozenset().union(*included)
+    def _note_no_shows(
+        self, spec: GroupSpec, included: tuple[frozenset[int], ...], screened: frozenset[int]
+    ) -> None:
+        """Members of positive weight in none of the parts this node holds, while others are, and whose
+        contributions no reducer screened out: they accepted the group and delivered nothing (a member
+        that broke, or one that takes the group's time on purpose)."""
+        heard = frozenset().union(*included) | screened
         if len(heard - {spec.index_of(self.node_id)}) == 0:
             return  # nothing came from anyone: this node's own link, not theirs
         silent = [m.node_id for k, m in enumerate(spec.members) if k not in heard and m.weight > 0]
