@@ -220,9 +220,7 @@ def test_a_strangers_proposals_are_refused_and_cost_the_swarm_nothing(
     refused = sum(
         len(re.findall(rf"refused group \S+ proposed by {stranger.node_id[:12]}", n.log())) for n in nodes
     )
-    print(
-        f"stranger ({budget_s:.0f} s budget): {stranger.sent} proposals sent, {refused} refused"
-    )
+    print(f"stranger ({budget_s:.0f} s budget): {stranger.sent} proposals sent, {refused} refused")
     assert stranger.accepted == 0 and refused >= ROUNDS  # the fault fired: it proposed in every round
     loss_ratio, rate_ratio = check_the_honest(nodes, alone, 3, f"stranger {budget_s:.0f} s")
     assert all(stranger.node_id not in group_of(meta) for meta in cold_metadata(nodes[0]).values())
