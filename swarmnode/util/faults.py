@@ -13,7 +13,7 @@ Tests set `SWARMNODE_FAULTS` on a `swarmnode run` child, e.g.::
     direction@delta=7           it sends one fixed random direction, 7 × its Δ's norm, every round
     noise@delta                 it sends fresh random noise of its Δ's norm
     follow@delta=-4             it sends −4 × the last round's average (its own Δ the first round)
-    lie@weight=100              it declares 100 × the tokens it trained (offers and headers)
+    lie@weight=100              its offers declare 100 × the tokens it trained (no cap of its own)
     drop@allreduce_send         it accepts groups, then sends and reduces nothing (a no-show)
     lie@sender                  its all-reduce headers claim another member's index and node id
     lie@part                    its all-reduce headers claim another member's part
@@ -69,7 +69,7 @@ LOOKED_UP_POINTS = (
     "clock",  # skew: the wall clock is off
     "delta",  # scale, nan, direction, noise, follow: the pseudo-gradient handed to the all-reduce
     # (#COUNT: the round, from 1)
-    "weight",  # lie: the token weight declared in offers and headers
+    "weight",  # lie: the token weight its offers declare
     "sender",  # lie: all-reduce headers name another member as their sender
     "part",  # lie: all-reduce headers name another member's part
 )

@@ -365,6 +365,35 @@ def test_an_offer_over_the_runs_weight_cap_is_left_out_of_the_group_and_counted_
     assert refused.count("over_weight") == 2  # each honest node counted it once, however often it read
 
 
+def test_a_refused_offer_counts_as_offered_so_nobody_waits_out_the_deadline_for_it() -> None:
+    """Before: an over-weight offer was invisible, so the honest nodes, who expect its node, waited the
+    whole --matchmaking-timeout every round for an offer they had already seen and refused."""
+
+    async def scenario() -> Outcome:
+        nodes, _ = proposals_under_test(3)
+        for node in nodes:
+            node.timeout_s, node.max_weight = 60.0, 2560.0
+        honest, other, heavy = nodes
+        heavy.max_weight = 1e9
+        cursor = {"shard": 0, "epoch": 0, "position": 0}
+        everyone = frozenset(n.node_id for n in nodes)
+        heavy_task = asyncio.ensure_future(
+            heavy.form_group(4, 1e6, GLOBAL_DIGEST, cursor, everyone - {heavy.node_id})
+        )
+        outcomes = await asyncio.wait_for(  # well inside the 60 s deadline
+            asyncio.gather(
+                honest.form_group(4, 2560.0, GLOBAL_DIGEST, cursor, everyone - {honest.node_id}),
+                other.form_group(4, 2560.0, GLOBAL_DIGEST, cursor, everyone - {other.node_id}),
+            ),
+            20.0,
+        )
+        await cancel([heavy_task])
+        return outcomes[0]
+
+    outcome = asyncio.run(scenario())
+    assert outcome.group is not None and len(outcome.group.members) == 2
+
+
 def test_a_member_checks_a_proposal_by_the_signed_offers_it_carries_without_a_look_up() -> None:
     """A member that has not read the leader's offer yet, while look-ups stall (a table of departed
     contacts), accepts the leader's group from the offers the proposal carries, in well under the

@@ -195,6 +195,8 @@ class Matchmaker:
         """The offers of the round this node is matchmaking in, as it last read them (its own too)."""
         self._offer_reads = 0  # DHT reads a proposal caused this round (bounded: MAX_PROPOSAL_READS)
         self._signed_offers: dict[str, tuple[int, bytes]] = {}
+        self._refused_offerers: set[str] = set()
+        """Peers whose offers for the open round were refused (over the weight cap)."""
         """Per node, the round and signed form of its offer as last read (sent along with proposals)."""
         self.on_refused = on_refused
         self._background: set[asyncio.Task[Any]] = set()
@@ -273,6 +275,8 @@ class Matchmaker:
         """Publish this node's offer for `outer_step` and settle the round's group (`weight`: at most
         `max_weight`; see `rounds.SwarmRounds.average`)."""
         weight = min(weight, self.max_weight)  # (what SwarmRounds.average contributes too)
+        if (lie := faults.find("lie", "weight")) is not None:  # test-only: an offer claiming more tokens
+            weight *= lie.arg if lie.arg is not None else 100.0
         # Rounded as it travels, so that every node ranks this offer by the very same deadline.
         deadline = round(clock.now() + self.timeout_s, 3)
         reachable = self.reachable()
@@ -285,6 +289,7 @@ class Matchmaker:
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
         self._round_offers, self._offer_reads, self._signed_offers = {own.node_id: own}, 0, {}
+        self._refused_offerers = set()
         key = round_key(self.run_id)
         try:
             started = time.monotonic()
@@ -305,7 +310,10 @@ class Matchmaker:
         offers = self._round_offers  # (the proposal side checks groups against them)
         # Stop early once every peer this node expects has offered (none expected: wait the deadline),
         # or once most of them offer for a later round: this one closed without this node.
-        while clock.now() < own.deadline and (not expected_peers or not expected_peers <= offers.keys()):
+        # (A peer whose offer was refused has offered too: waiting longer would not make it eligible.)
+        while clock.now() < own.deadline and (
+            not expected_peers or not expected_peers <= offers.keys() | self._refused_offerers
+        ):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
             current = await self._current_offers(key)
@@ -355,6 +363,8 @@ class Matchmaker:
             return None
         if offer.weight > self.max_weight:
             self._refuse_weight(offer)
+            if offer.outer_step == self._open_round:
+                self._refused_offerers.add(node_id)
             return None
         return offer
 

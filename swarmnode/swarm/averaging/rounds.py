@@ -31,7 +31,6 @@ from swarmnode.swarm.averaging.matchmaking import Matchmaker, Offer
 from swarmnode.swarm.averaging.reducer import AveragingServicer
 from swarmnode.swarm.averaging.twolevel import two_level_allreduce
 from swarmnode.swarm.averaging.wire import GroupSpec
-from swarmnode.util import faults
 from swarmnode.util.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -105,8 +104,6 @@ class SwarmRounds:
         other nodes' work, so rounds without them are held rather than applied alone (see `_alone`)."""
         started = time.perf_counter()
         weight = min(weight, self.matchmaker.max_weight)  # (rounds carried into this one included)
-        if (lie := faults.find("lie", "weight")) is not None:  # test-only: a member claiming more tokens
-            weight *= lie.arg if lie.arg is not None else 100.0
         if expected_peers is None:
             if in_swarm:  # nobody to ask: don't race ahead of a swarm that may only be out of reach
                 await asyncio.sleep(self.matchmaker.timeout_s)
