@@ -369,7 +369,7 @@ def test_a_refused_offer_counts_as_offered_so_nobody_waits_out_the_deadline_for_
     """Before: an over-weight offer was invisible, so the honest nodes, who expect its node, waited the
     whole --matchmaking-timeout every round for an offer they had already seen and refused."""
 
-    async def scenario() -> Outcome:
+    async def scenario() -> tuple[Outcome, Outcome]:
         nodes, _ = proposals_under_test(3)
         for node in nodes:
             node.timeout_s, node.max_weight = 60.0, 2560.0
@@ -388,10 +388,20 @@ def test_a_refused_offer_counts_as_offered_so_nobody_waits_out_the_deadline_for_
             20.0,
         )
         await cancel([heavy_task])
-        return outcomes[0]
+        # The next round, the heavy node is slow to offer at all (out of every group, it runs alone):
+        # the others, who refused it last round, do not wait for it.
+        later = await asyncio.wait_for(
+            asyncio.gather(
+                honest.form_group(5, 2560.0, GLOBAL_DIGEST, cursor, everyone - {honest.node_id}),
+                other.form_group(5, 2560.0, GLOBAL_DIGEST, cursor, everyone - {other.node_id}),
+            ),
+            20.0,
+        )
+        return outcomes[0], later[0]
 
-    outcome = asyncio.run(scenario())
+    outcome, later = asyncio.run(scenario())
     assert outcome.group is not None and len(outcome.group.members) == 2
+    assert later.group is not None and len(later.group.members) == 2
 
 
 def test_a_member_checks_a_proposal_by_the_signed_offers_it_carries_without_a_look_up() -> None:

@@ -76,6 +76,8 @@ NO_SHOW_ROUNDS = 2
 """Rounds a leader leaves out a member that was in its last group and delivered nothing to it; doubled
 for each time it does so again within as many rounds of coming back, up to MAX_NO_SHOW_ROUNDS."""
 MAX_NO_SHOW_ROUNDS = 64
+NOT_WAITED_ROUNDS = 2
+"""A peer whose offer was over the weight cap in one of this many last rounds is not waited for."""
 MAX_REMEMBERED_NO_SHOWS = 1024
 CLOCK_SKEW_ALLOWANCE_S = 300.0
 """Offers outlive their round by this much, so a volunteer whose clock is minutes off (its entries
@@ -310,9 +312,12 @@ class Matchmaker:
         offers = self._round_offers  # (the proposal side checks groups against them)
         # Stop early once every peer this node expects has offered (none expected: wait the deadline),
         # or once most of them offer for a later round: this one closed without this node.
-        # (A peer whose offer was refused has offered too: waiting longer would not make it eligible.)
+        # A peer whose offer was refused has offered too (waiting longer would not make it eligible),
+        # and one refused in the last rounds, or left out as a no-show, is not waited for: its pace
+        # (alone, out of every group) must not set the swarm's.
+        waited = expected_peers - self._not_waited_for(own.outer_step)
         while clock.now() < own.deadline and (
-            not expected_peers or not expected_peers <= offers.keys() | self._refused_offerers
+            not expected_peers or not waited <= offers.keys() | self._refused_offerers
         ):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
@@ -387,6 +392,13 @@ class Matchmaker:
             )
         while len(self._no_shows) > MAX_REMEMBERED_NO_SHOWS:
             del self._no_shows[next(iter(self._no_shows))]
+
+    def _not_waited_for(self, outer_step: int) -> frozenset[str]:
+        """Peers round `outer_step` does not wait for: left out as no-shows, or whose offers were over
+        the weight cap in one of the last NOT_WAITED_ROUNDS rounds."""
+        recent = range(outer_step - NOT_WAITED_ROUNDS, outer_step)
+        heavy = {node_id for node_id, step in self._over_weight if step in recent}
+        return self._left_out(outer_step) | heavy
 
     def _left_out(self, outer_step: int) -> frozenset[str]:
         """The members this node leaves out of round `outer_step` for delivering nothing (never itself)."""
