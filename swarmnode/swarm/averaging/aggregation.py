@@ -33,6 +33,7 @@ holds per coordinate only). Measured: docs/benchmarks.md
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -189,12 +190,44 @@ def centered_clip(
 
 def coordinate_median(rows: list[torch.Tensor]) -> torch.Tensor:
     """The coordinate-wise median of equally long fp32 rows (the mean of the middle two for an even
-    count, so two rows give their midpoint)."""
-    ordered = torch.stack(rows).sort(dim=0).values
+    count, so two rows give their midpoint). By a sorting network pruned to the middle (elementwise
+    min/max: a few passes over memory, several times faster than `sort(dim=0)` across rows)."""
     k = len(rows)
+    work = list(rows)  # (the comparators make new tensors: the contributions stay as they are)
+    for a, b in _median_network(k):
+        work[a], work[b] = torch.minimum(work[a], work[b]), torch.maximum(work[a], work[b])
     if k % 2:
-        return ordered[k // 2].clone()
-    return (ordered[k // 2 - 1] + ordered[k // 2]) / 2
+        middle = work[k // 2]
+        return middle.clone() if any(middle is row for row in rows) else middle
+    return (work[k // 2 - 1] + work[k // 2]) / 2
+
+
+@functools.lru_cache(maxsize=64)
+def _median_network(k: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort network for `k` inputs (that of the next power of two, less the
+    comparators that touch a missing input: they would stand at the end as +inf, never moving), keeping
+    only the comparators the middle output(s) depend on."""
+    size = 1
+    while size < k:
+        size *= 2
+    network = []
+    p = 1
+    while p < size:
+        step = p
+        while step >= 1:
+            for j in range(step % p, size - step, 2 * step):
+                for i in range(min(step, size - j - step)):
+                    if (i + j) // (2 * p) == (i + j + step) // (2 * p) and i + j + step < k:
+                        network.append((i + j, i + j + step))
+            step //= 2
+        p *= 2
+    needed = {k // 2} | ({k // 2 - 1} if k % 2 == 0 else set())
+    kept = []
+    for a, b in reversed(network):
+        if a in needed or b in needed:
+            kept.append((a, b))
+            needed |= {a, b}
+    return tuple(reversed(kept))
 
 
 def _distance(x: torch.Tensor, centre: torch.Tensor, buffer: torch.Tensor) -> float:
