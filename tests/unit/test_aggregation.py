@@ -122,3 +122,16 @@ def test_a_part_of_a_few_values_is_the_plain_mean() -> None:
     wide = [torch.randn(CLIP_MIN_VALUES, generator=g) for _ in range(3)]
     wide.append(-7 * wide[0])
     assert 3 in average([(k, 1.0, x) for k, x in enumerate(wide)], "fp32", CLIP_MIN_VALUES).clipped
+
+
+@pytest.mark.parametrize("k", list(range(1, 17)))
+def test_the_median_network_gives_the_sorted_middle_for_any_group_size(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    rows = [torch.randn(257, generator=g) for _ in range(k)]
+    rows.append(rows[0].clone())  # (ties)
+    ordered = torch.stack(rows).sort(dim=0).values
+    m = len(rows)
+    expected = ordered[m // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
+    originals = [row.clone() for row in rows]
+    assert torch.equal(coordinate_median(rows), expected)
+    assert all(torch.equal(a, b) for a, b in zip(rows, originals, strict=True))  # inputs untouched
