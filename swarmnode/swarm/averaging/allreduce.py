@@ -165,8 +165,8 @@ class _Butterfly:
         self.out = out if out is not None else torch.empty(delta.numel(), dtype=torch.float32)
         """The averaged Δ: each part's average is decoded (fp32: received) straight into its range."""
         self.parts: dict[int, _Part] = {}
-        self.screened: set[int] = set()  # (see `AllReduceResult.screened`)
         """The parts whose average arrived whole."""
+        self.screened: set[int] = set()  # (see `AllReduceResult.screened`)
         self.decodes: list[asyncio.Future[Any]] = []
         self.borrowed: list[memoryview] = []
         """Buffers taken from the servicer's spares (`reducer.SpareBuffers`), given back at the end."""

@@ -197,9 +197,9 @@ class Matchmaker:
         """The offers of the round this node is matchmaking in, as it last read them (its own too)."""
         self._offer_reads = 0  # DHT reads a proposal caused this round (bounded: MAX_PROPOSAL_READS)
         self._signed_offers: dict[str, tuple[int, bytes]] = {}
+        """Per node, the round and signed form of its offer as last read (sent along with proposals)."""
         self._refused_offerers: set[str] = set()
         """Peers whose offers for the open round were refused (over the weight cap)."""
-        """Per node, the round and signed form of its offer as last read (sent along with proposals)."""
         self.on_refused = on_refused
         self._background: set[asyncio.Task[Any]] = set()
         self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
@@ -381,8 +381,9 @@ class Matchmaker:
         Counted and logged each time."""
         for node_id in node_ids:
             last = self._no_shows.pop(node_id, None)
-            again = last is not None and outer_step <= last.until + last.rounds
-            rounds = min(2 * last.rounds, MAX_NO_SHOW_ROUNDS) if again and last else NO_SHOW_ROUNDS
+            rounds = NO_SHOW_ROUNDS
+            if last is not None and outer_step <= last.until + last.rounds:  # again, soon after
+                rounds = min(2 * last.rounds, MAX_NO_SHOW_ROUNDS)
             self._no_shows[node_id] = _NoShow(outer_step + rounds, rounds)
             self.on_refused(AveragingReject.NO_SHOW)
             logger.warning(
