@@ -347,7 +347,7 @@ class TrainingRun:
         fragment = self.fragments.for_round(p.outer_step)
         assert overlapped is None or overlapped.fragment == fragment, (overlapped, fragment)
         averaged = self.fragments.lift(averaged, fragment)
-        if averaged.covered and faults.armed("delta"):  # (test-only: follow@delta's target)
+        if averaged.covered and faults.find("follow", "delta") is not None:  # (test-only: its target)
             self._last_average = averaged.delta.clone()
         if overlapped is None:
             self.trainer.outer_step(averaged)
@@ -493,17 +493,17 @@ def _poisoned(delta: torch.Tensor, round_index: int, last_average: torch.Tensor 
     fired = [f for f in due.values() if f is not None]
     if not fired:
         return delta
-    poisoned = delta.clone()
-    norm = float(delta.norm())
-    if (direction := due["direction"]) is not None:
-        fixed = torch.randn(delta.numel(), generator=torch.Generator().manual_seed(1234))
-        poisoned = (fixed / fixed.norm() * (direction.arg or 7.0) * norm).to(delta.dtype)
-    if (noise := due["noise"]) is not None:
-        fresh = torch.randn(delta.numel())
-        poisoned = (fresh / fresh.norm() * (noise.arg or 1.0) * norm).to(delta.dtype)
-    if (follow := due["follow"]) is not None:
+    direction, follow = due["direction"], due["follow"]
+    if (randomly := direction or due["noise"]) is not None:
+        generator = torch.Generator().manual_seed(1234) if direction is not None else None  # fixed
+        random = torch.randn(delta.numel(), generator=generator)
+        size = randomly.arg or (7.0 if direction is not None else 1.0)
+        poisoned = (random / random.norm() * size * float(delta.norm())).to(delta.dtype)
+    elif follow is not None:
         target = last_average if last_average is not None and last_average.shape == delta.shape else delta
         poisoned = target.to(delta.dtype) * (follow.arg if follow.arg is not None else -4.0)
+    else:
+        poisoned = delta.clone()
     if (scale := due["scale"]) is not None:
         poisoned.mul_(scale.arg if scale.arg is not None else 1000.0)
     if due["nan"] is not None:

@@ -193,13 +193,12 @@ def coordinate_median(rows: list[torch.Tensor]) -> torch.Tensor:
     count, so two rows give their midpoint). By a sorting network pruned to the middle (elementwise
     min/max: a few passes over memory, several times faster than `sort(dim=0)` across rows)."""
     k = len(rows)
+    if k == 1:
+        return rows[0].clone()
     work = list(rows)  # (the comparators make new tensors: the contributions stay as they are)
     for a, b in _median_network(k):
         work[a], work[b] = torch.minimum(work[a], work[b]), torch.maximum(work[a], work[b])
-    if k % 2:
-        middle = work[k // 2]
-        return middle.clone() if any(middle is row for row in rows) else middle
-    return (work[k // 2 - 1] + work[k // 2]) / 2
+    return work[k // 2] if k % 2 else (work[k // 2 - 1] + work[k // 2]) / 2
 
 
 @functools.lru_cache(maxsize=64)

@@ -198,8 +198,6 @@ class Matchmaker:
         self._offer_reads = 0  # DHT reads a proposal caused this round (bounded: MAX_PROPOSAL_READS)
         self._signed_offers: dict[str, tuple[int, bytes]] = {}
         """Per node, the round and signed form of its offer as last read (sent along with proposals)."""
-        self._refused_offerers: set[str] = set()
-        """Peers whose offers for the open round were refused (over the weight cap)."""
         self.on_refused = on_refused
         self._background: set[asyncio.Task[Any]] = set()
         self._offer_ttl_s = 2 * timeout_s + CLOCK_SKEW_ALLOWANCE_S
@@ -291,7 +289,6 @@ class Matchmaker:
         self._open_round = outer_step
         self._proposal = asyncio.get_running_loop().create_future()
         self._round_offers, self._offer_reads, self._signed_offers = {own.node_id: own}, 0, {}
-        self._refused_offerers = set()
         key = round_key(self.run_id)
         try:
             started = time.monotonic()
@@ -312,12 +309,11 @@ class Matchmaker:
         offers = self._round_offers  # (the proposal side checks groups against them)
         # Stop early once every peer this node expects has offered (none expected: wait the deadline),
         # or once most of them offer for a later round: this one closed without this node.
-        # A peer whose offer was refused has offered too (waiting longer would not make it eligible),
-        # and one refused in the last rounds, or left out as a no-show, is not waited for: its pace
-        # (alone, out of every group) must not set the swarm's.
-        waited = expected_peers - self._not_waited_for(own.outer_step)
+        # A peer whose offer this round or a recent one was over the weight cap, or that is left out as
+        # a no-show, is not waited for: waiting would not make it eligible, and its pace (alone, out
+        # of every group) must not set the swarm's.
         while clock.now() < own.deadline and (
-            not expected_peers or not waited <= offers.keys() | self._refused_offerers
+            not expected_peers or not expected_peers - self._not_waited_for(own.outer_step) <= offers.keys()
         ):
             if self._proposal.done():
                 return Outcome(self._proposal.result())
@@ -368,8 +364,6 @@ class Matchmaker:
             return None
         if offer.weight > self.max_weight:
             self._refuse_weight(offer)
-            if offer.outer_step == self._open_round:
-                self._refused_offerers.add(node_id)
             return None
         return offer
 
@@ -396,8 +390,8 @@ class Matchmaker:
 
     def _not_waited_for(self, outer_step: int) -> frozenset[str]:
         """Peers round `outer_step` does not wait for: left out as no-shows, or whose offers were over
-        the weight cap in one of the last NOT_WAITED_ROUNDS rounds."""
-        recent = range(outer_step - NOT_WAITED_ROUNDS, outer_step)
+        the weight cap in this round or one of the NOT_WAITED_ROUNDS before it."""
+        recent = range(outer_step - NOT_WAITED_ROUNDS, outer_step + 1)
         heavy = {node_id for node_id, step in self._over_weight if step in recent}
         return self._left_out(outer_step) | heavy
 
