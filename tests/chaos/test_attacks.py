@@ -2,8 +2,7 @@
 fixed identities), one of which attacks every round, or a stranger's script proposing groups to every
 node. Each cell holds the honest members' held-out loss after ROUNDS rounds to within 5% of the same
 honest members averaging alone (same identities, shards and seed), and their rounds per minute to at
-least 80% of an attack-free swarm of as many nodes (a no-show's cost is measured and bounded otherwise:
-see its cell).
+least 80% of an attack-free swarm of as many nodes.
 
 The attacks (`swarmnode/util/faults.py`), each under the default --max-norm-ratio 8, so the norm screen
 lets it through: −7 × its Δ (`flip`), a fixed direction of 7 × its Δ's norm, noise of its Δ's norm, −4 ×
@@ -144,10 +143,10 @@ def test_one_hostile_member_cannot_move_the_honest_loss(
     if attack == "overweight":
         assert joined == 0  # refused at the offer: it never averages
     elif attack == "noshow":
-        # Left out 2, then 4, then 8 rounds: in at most 3 of 10 groups, each costing one all-reduce
-        # timeout; the rate is reported, not held to the attack-free one (see the module notes).
-        assert joined <= 3 and any("for 4 rounds" in node.log() for node in honest), joined
-        return
+        # In a group, cut off after a grace (not the all-reduce budget), then left out and not waited
+        # for until it delivers: at most 3 of 10 groups even were it always on time.
+        assert 1 <= joined <= 3, joined
+        assert any("never called" in node.log() for node in honest)
     else:
         assert joined >= ROUNDS // 2, joined  # it took part: the aggregation, not its absence, held
     if attack in ("flip", "direction"):

@@ -32,8 +32,8 @@ from swarmnode.net.bulk import BulkListener
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.swarm.averaging import allreduce as averaging
 from swarmnode.swarm.averaging import codecs
-from swarmnode.swarm.averaging.allreduce import AllReduceResult
-from swarmnode.swarm.averaging.reducer import AveragingServicer
+from swarmnode.swarm.averaging.allreduce import COLLECT_SHARE, AllReduceResult
+from swarmnode.swarm.averaging.reducer import SILENT_GRACE_MIN_S, AveragingServicer
 from swarmnode.swarm.averaging.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.averaging.wire import GroupSpec, Member
 from swarmnode.util import faults
@@ -375,6 +375,55 @@ def test_a_silent_member_leaves_only_its_own_part_uncovered() -> None:
     expected = weighted_average(deltas[:2], weights[:2])
     assert torch.allclose(results[0].averaged.delta[: 2 * n // 3], expected[: 2 * n // 3], atol=1e-6)
     assert not results[0].averaged.delta[2 * n // 3 :].any()
+
+
+def test_a_member_that_accepts_and_never_calls_costs_a_grace_not_the_budget() -> None:
+    """Member 2 accepts the group and never starts (a no-show): the others stop waiting for it once
+    they are in and `silent_grace` has passed, not at the collect deadline of a 60 s budget; neither
+    waits for its part's answer after that."""
+    n, timeout_s = 90_000, 60.0
+    deltas, weights = random_deltas(3, n, seed=12), [1.0, 2.0, 4.0]
+
+    async def scenario() -> list[AllReduceResult]:
+        async with swarm(3) as nodes:
+            spec = group([x.member for x in nodes], timeout_s=timeout_s)
+            assert await averaging.propose_group(nodes[2].address, spec, 5.0)
+            return await allreduce(nodes[:2], spec, deltas[:2], weights[:2])
+
+    results = run(scenario())
+    assert_identical(results)
+    assert results[0].contributors == (2, 2, 0)
+    # Ended by the grace (about a second here), nowhere near the collect deadline (42 s).
+    assert all(r.seconds < 0.25 * COLLECT_SHARE * timeout_s for r in results), [r.seconds for r in results]
+
+
+def test_a_member_that_calls_late_within_the_grace_is_averaged() -> None:
+    """Member 2 (hand-driven) calls the reducers a quarter of the grace after the others began: it is still
+    averaged into both their parts (its own part, which it never reduces, is not covered)."""
+    n, timeout_s = 90_000, 3.0
+    deltas, weights = random_deltas(3, n, seed=13), [1.0, 2.0, 3.0]
+
+    async def scenario() -> list[AllReduceResult]:
+        async with swarm(3) as nodes:
+            spec = group([x.member for x in nodes], timeout_s=timeout_s)
+            assert all(node.servicer.expect(spec) for node in nodes)
+            late = RawSender(spec, 2, deltas[2], weights[2])
+
+            async def after_a_while(k: int) -> torch.Tensor | None:
+                await asyncio.sleep(SILENT_GRACE_MIN_S / 4)  # the lateness under test
+                return await late.send(nodes[k].address, k)
+
+            results, *_ = await asyncio.gather(
+                allreduce(nodes[:2], spec, deltas[:2], weights[:2]), after_a_while(0), after_a_while(1)
+            )
+            return results
+
+    results = run(scenario())
+    assert_identical(results)
+    assert results[0].contributors == (3, 3, 0)
+    spec = group([Member("01", "h:1"), Member("02", "h:1"), Member("03", "h:1")])
+    got, p0 = results[0].averaged.delta, part(spec, 0, n)
+    assert torch.allclose(got[p0], weighted_average(deltas, weights)[p0], atol=1e-6)
 
 
 def test_an_unreachable_member_ends_waiting_at_once() -> None:

@@ -467,6 +467,35 @@ def test_a_member_that_delivered_nothing_sits_out_the_groups_its_leader_forms_fo
     assert refused == ["no_show"]
 
 
+def test_a_no_show_is_not_waited_for_until_it_delivers_again() -> None:
+    """Left out in rounds 5 and 6 for delivering nothing in round 4, the member is taken again when it
+    offers in time, but rounds 7 and 8, in which it lags, do not wait the matchmaking timeout for its
+    offer (a no-show that stays behind would cost every round that much); once it delivered in a group
+    (noted in round 8), round 9 waits for it again."""
+
+    async def scenario() -> tuple[dict[int, float], dict[int, int]]:
+        a, b, silent = swarm(3, timeout_s=30.0)
+        for node in (a, b):
+            node.note_no_shows([silent.node_id], 4)
+        took, sizes = {}, {}
+        for step in (7, 8):
+            started = time.monotonic()
+            outcomes = await asyncio.gather(offer(a, step, {b, silent}), offer(b, step, {a, silent}))
+            took[step] = time.monotonic() - started
+            sizes[step] = len(outcomes[0].group.members) if outcomes[0].group else 1
+        for node in (a, b):
+            node.note_no_shows([], 8, delivered=[silent.node_id])
+        waiting = offer(a, 9, {b, silent}), offer(b, 9, {a, silent})
+        done, _ = await asyncio.wait(waiting, timeout=2.0)
+        sizes[9] = len(done)  # nothing decided yet: they wait for the member that offered nothing
+        await cancel(list(waiting))
+        return took, sizes
+
+    took, sizes = asyncio.run(scenario())
+    assert sizes == {7: 2, 8: 2, 9: 0}
+    assert all(seconds < 10.0 for seconds in took.values()), took  # not the 30 s matchmaking timeout
+
+
 def test_a_member_that_keeps_delivering_nothing_is_left_out_longer_each_time() -> None:
     """Two rounds for a link that broke once; a member that does it again within as many rounds of
     coming back is left out twice as long, up to MAX_NO_SHOW_ROUNDS; a lapse long after starts over."""

@@ -14,6 +14,9 @@ Failure semantics:
   went out, or at `COLLECT_SHARE` of the budget. A sender whose call broke, or whose node refused our
   connection, is no longer expected. So a member that dies while sending leaves no result of its own
   part behind: the survivors agree that its part is not averaged.
+- A member that never called a reducer is waited for `reducer.silent_grace` once every member that did
+  call is in, then not at all (it accepted the group and sends nothing); its own part's answer is not
+  waited for either once nothing else is left. A member that called is waited for (it may be slow).
 - A contribution that did not arrive complete is left out of its part. Its sender still gets the
   part's average if its call is open, so every member that hears from a reducer hears the same.
 - A part whose result did not arrive whole within the budget is not covered (zeros, and missing from
@@ -45,7 +48,7 @@ from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
 from swarmnode.swarm.averaging import codecs, wire
-from swarmnode.swarm.averaging.reducer import AveragingServicer, LocalReduction
+from swarmnode.swarm.averaging.reducer import AveragingServicer, LocalReduction, silent_grace
 from swarmnode.swarm.averaging.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.averaging.wire import EXCHANGE_METHOD, GroupSpec
 from swarmnode.util import faults
@@ -167,6 +170,8 @@ class _Butterfly:
         self.parts: dict[int, _Part] = {}
         """The parts whose average arrived whole."""
         self.screened: set[int] = set()  # (see `AllReduceResult.screened`)
+        self.heard: set[int] = set()
+        """The reducers whose answer (a result's header) reached us."""
         self.decodes: list[asyncio.Future[Any]] = []
         self.borrowed: list[memoryview] = []
         """Buffers taken from the servicer's spares (`reducer.SpareBuffers`), given back at the end."""
@@ -200,12 +205,16 @@ class _Butterfly:
                 logger.warning("fault: group %s: sending and reducing nothing", self.spec.group_id)
                 await asyncio.sleep(max(self.deadline - asyncio.get_running_loop().time(), 0.0))
             else:
-                tasks = [
-                    asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers
-                ]
-                if self.spec.reduces(self.me):
-                    tasks.append(asyncio.create_task(self._reduce(rnd), name="reduce"))
-                await asyncio.wait(tasks, timeout=self.deadline - asyncio.get_running_loop().time())
+                exchanges = {
+                    k: asyncio.create_task(self._exchange(k, rnd), name=f"exchange-{k}") for k in self.peers
+                }
+                reducing = (
+                    asyncio.create_task(self._reduce(rnd), name="reduce")
+                    if self.spec.reduces(self.me)
+                    else None
+                )
+                tasks = [*exchanges.values(), *([reducing] if reducing is not None else [])]
+                await self._calls_over(exchanges, reducing, rnd)
         finally:
             await settle(*tasks)
             await asyncio.gather(*self.decodes, return_exceptions=True)
@@ -225,6 +234,58 @@ class _Butterfly:
             *(seconds, result.bytes_sent),
         )
         return result
+
+    async def _calls_over(
+        self,
+        exchanges: dict[int, asyncio.Task[None]],
+        reducing: asyncio.Task[None] | None,
+        rnd: LocalReduction,
+    ) -> None:
+        """Waits until our calls and our own reduction are over, or until the deadline. A reducer that
+        has not answered when nothing else is left, and never called our own part (our reduction gave
+        up on it after `silent_grace`), is given up at once: it accepted the group and sends nothing.
+        A member that reduces nothing cannot know who called whom: it gives `silent_grace` to the
+        reducers that have not answered once nothing else is left."""
+        if reducing is not None:
+            await self._until({reducing}, self.deadline)
+        pending = await self._until_only_unanswered(exchanges)
+        if not pending:
+            return
+        if reducing is None:
+            grace = silent_grace(time.monotonic() - self.started)
+            loop = asyncio.get_running_loop()
+            await self._until(pending, min(self.deadline, loop.time() + grace))
+            silent = {k for k in exchanges if k not in self.heard}
+        else:
+            silent = set(rnd.silent) - self.heard
+        for k in sorted(silent):
+            if not exchanges[k].done():
+                logger.warning(
+                    "group %s: member %d called nobody here and answers nothing: its part is not averaged",
+                    *(self.spec.group_id, k),
+                )
+                exchanges[k].cancel()
+        await self._until({t for t in exchanges.values() if not t.done()}, self.deadline)
+
+    async def _until(self, tasks: set[asyncio.Task[None]], when: float) -> None:
+        left = when - asyncio.get_running_loop().time()
+        if tasks and left > 0:
+            await asyncio.wait(tasks, timeout=left)
+
+    async def _until_only_unanswered(
+        self, exchanges: dict[int, asyncio.Task[None]]
+    ) -> set[asyncio.Task[None]]:
+        """Waits until every call still pending is to a reducer that has not answered (or none is
+        pending, or the deadline passed); returns the calls pending."""
+        loop = asyncio.get_running_loop()
+        by_task = {task: k for k, task in exchanges.items()}
+        pending = {task for task in exchanges.values() if not task.done()}
+        while pending and any(by_task[task] in self.heard for task in pending):
+            left = self.deadline - loop.time()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return pending
 
     def _encode_parts(self) -> dict[int, memoryview]:
         if self.weight == 0:  # a contribution of weight 0 is averaged into nothing: only its header goes
@@ -427,6 +488,7 @@ class _Butterfly:
             h = _result_header(await call.read())
         if h is None:
             return None
+        self.heard.add(k)
         included = _included(h.included, len(self.spec.members))
         self.screened.update(_included(h.excluded, len(self.spec.members)))
         if not included or h.part_elements != hi - lo or h.wire_dtype != self.spec.wire_dtype:

@@ -141,6 +141,8 @@ class _NoShow:
     """The last round this node's groups leave the member out of."""
     rounds: int
     """How many rounds that was."""
+    delivered_since: bool = False
+    """Whether it delivered in a group of this node since: until it does, it is not waited for."""
 
 
 @dataclass(frozen=True)
@@ -367,12 +369,17 @@ class Matchmaker:
             return None
         return offer
 
-    def note_no_shows(self, node_ids: Sequence[str], outer_step: int) -> None:
+    def note_no_shows(self, node_ids: Sequence[str], outer_step: int, delivered: Sequence[str] = ()) -> None:
         """Members of this node's group in round `outer_step` that delivered nothing to it: groups this
         node leads leave them out for the next NO_SHOW_ROUNDS rounds, twice as many each time a member
         does it again within as many rounds of coming back (a volunteer whose link broke once costs two
-        rounds; one that takes the groups' time on purpose, a number of rounds logarithmic in the run's).
-        Counted and logged each time."""
+        rounds; one that takes the groups' time on purpose, a number of rounds logarithmic in the run's),
+        and no round waits for their offers until they delivered in a group again (`delivered`: the
+        members that did in this one). Counted and logged each time."""
+        for node_id in delivered:
+            no_show = self._no_shows.get(node_id)
+            if no_show is not None and not no_show.delivered_since:
+                self._no_shows[node_id] = dataclasses.replace(no_show, delivered_since=True)
         for node_id in node_ids:
             last = self._no_shows.pop(node_id, None)
             rounds = NO_SHOW_ROUNDS
@@ -389,11 +396,14 @@ class Matchmaker:
             del self._no_shows[next(iter(self._no_shows))]
 
     def _not_waited_for(self, outer_step: int) -> frozenset[str]:
-        """Peers round `outer_step` does not wait for: left out as no-shows, or whose offers were over
+        """Peers round `outer_step` does not wait for: no-shows until they delivered in a group again
+        (an offer from one that is in time is taken once its leave-out is over, but one that lags or
+        stays away must not cost each round the matchmaking timeout), and peers whose offers were over
         the weight cap in this round or one of the NOT_WAITED_ROUNDS before it."""
         recent = range(outer_step - NOT_WAITED_ROUNDS, outer_step + 1)
         heavy = {node_id for node_id, step in self._over_weight if step in recent}
-        return self._left_out(outer_step) | heavy
+        unproven = {n for n, no_show in self._no_shows.items() if not no_show.delivered_since}
+        return frozenset(unproven | heavy)
 
     def _left_out(self, outer_step: int) -> frozenset[str]:
         """The members this node leaves out of round `outer_step` for delivering nothing (never itself)."""

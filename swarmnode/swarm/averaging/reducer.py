@@ -45,6 +45,10 @@ HEADER_TIMEOUT_S = 10.0
 """How long a new `Exchange` call may take to send its header."""
 AWAIT_GROUP_MAX_S = 60.0
 """The longest an `AwaitGroup` call is held while this node is still matchmaking in its round."""
+SILENT_GRACE_MIN_S = 1.0
+"""Once every member that called a reducer has delivered, a member that never called is waited for as
+long again as the others took (`silent_grace`), at least this long; then it is not waited for (a
+member that accepted the group and sends nothing must not hold the round to its deadline)."""
 MAX_KNOWN_GROUPS = 8
 """Groups known here at once (proposed and not over); further proposals are declined. A grouped
 round (`grouping.py`) makes up to three known here: its group's, the leaders' and the hand-off."""
@@ -148,11 +152,17 @@ class _PartRound:
         if spares is not None:
             weakref.finalize(self, spares.give, self.buffers)
         self.started, self.all_in, self.idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.only_silent_left = asyncio.Event()
+        """Set once all are in, or some member called and every sender still waited for never did."""
         self.idle.set()
         self.total, self.own_weight, self.own = 0, 0.0, torch.empty(0)
+        self.began = 0.0
+        """The loop time the local all-reduce began."""
         self.waiting = set(range(len(spec.members))) - {my_index}
         """Senders that may still deliver a whole contribution."""
         self.seen: set[int] = set()
+        self.silent: set[int] = set()
+        """Senders given up for never calling within the grace (`give_up_silent`)."""
         self.refused: set[int] = set()
         """Members proven to have lied to this reducer: not waited for, never admitted."""
         self.open: set[int] = set()
@@ -171,6 +181,7 @@ class _PartRound:
     def start(self, delta: torch.Tensor, weight: float) -> None:
         self.total, self.own_weight = delta.numel(), weight
         self.own = delta[slice(*self.spec.part_range(self.my_index, self.total))]
+        self.began = asyncio.get_running_loop().time()
         self.started.set()
         self._check_all_in()
 
@@ -235,9 +246,22 @@ class _PartRound:
             self.waiting.discard(sender)
             self._check_all_in()
 
+    def give_up_silent(self) -> list[int]:
+        """Stops waiting for the senders that never called; returns them."""
+        silent = sorted(self.waiting - self.seen)
+        self.silent.update(silent)
+        self.waiting.difference_update(silent)
+        self._check_all_in()
+        return silent
+
     def _check_all_in(self) -> None:
-        if self.started.is_set() and not self.waiting:
+        if not self.started.is_set():
+            return
+        if not self.waiting:
             self.all_in.set()
+            self.only_silent_left.set()
+        elif self.seen and self.waiting.isdisjoint(self.seen):  # (none called yet: none to compare with)
+            self.only_silent_left.set()
 
     def close(self) -> list[Contribution]:
         """The whole contributions, its own included, in member order; any that completes later is
@@ -391,11 +415,32 @@ class LocalReduction:
         """How many senders (this node aside) contributed weight 0 on purpose: a header, no values."""
         return len(self._round.weightless)
 
+    @property
+    def silent(self) -> frozenset[int]:
+        """Members given up for never calling this reducer (see `contributions_in`)."""
+        return frozenset(self._round.silent)
+
     async def contributions_in(self, deadline: float) -> None:
-        """Waits until every contribution still expected is in, or until the loop time `deadline`."""
+        """Waits until every contribution still expected is in, or until the loop time `deadline`. Once
+        only members that never called are missing, they are waited for `silent_grace` longer, then
+        given up (`silent`): a member that called is waited for until the deadline (it may be slow),
+        one that accepted the group and never called is not (it may be doing it on purpose)."""
+        rnd = self._round
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
-                await self._round.all_in.wait()
+                await rnd.only_silent_left.wait()
+                if not rnd.all_in.is_set():
+                    grace = silent_grace(asyncio.get_running_loop().time() - rnd.began)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(grace):
+                            await rnd.all_in.wait()
+                    silent = rnd.give_up_silent()
+                    if silent:
+                        logger.warning(
+                            "group %s: member(s) %s never called in %.1f s: not waited for",
+                            *(rnd.spec.group_id, silent, asyncio.get_running_loop().time() - rnd.began),
+                        )
+                await rnd.all_in.wait()
 
     def stop_waiting_for(self, sender: int) -> None:
         """Member `sender` is unreachable: no contribution will come from it (unless its call is open)."""
@@ -429,6 +474,11 @@ class LocalReduction:
     async def delivered(self) -> None:
         """Waits until every call to this part ended (each caller got the result or went away)."""
         await self._round.idle.wait()
+
+
+def silent_grace(others_took_s: float) -> float:
+    """How long, after the others delivered in `others_took_s`, a member that never called is waited for."""
+    return max(SILENT_GRACE_MIN_S, others_took_s)
 
 
 class AveragingServicer:

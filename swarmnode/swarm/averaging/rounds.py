@@ -247,7 +247,8 @@ class SwarmRounds:
         if len(heard - {spec.index_of(self.node_id)}) == 0:
             return  # nothing came from anyone: this node's own link, not theirs
         silent = [m.node_id for k, m in enumerate(spec.members) if k not in heard and m.weight > 0]
-        self.matchmaker.note_no_shows(silent, spec.round)
+        delivered = [m.node_id for k, m in enumerate(spec.members) if k in heard]
+        self.matchmaker.note_no_shows(silent, spec.round, delivered)
 
     def _count(self, seconds: float, bytes_sent: int, group_size: int, coverage: float) -> None:
         m = self.metrics
