@@ -699,6 +699,9 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
                 assert victim.stdin is not None
                 victim.stdin.write(spec.to_json() + "\n")
                 victim.stdin.flush()
+                # Its calls first: one that comes a grace after the survivors are in is given up as
+                # silent (a busy machine can take that long to start it), and it would not die sending.
+                await called_by(nodes, spec, 2)
                 started = time.monotonic()
                 results = await allreduce(nodes, spec, deltas[:2], weights[:2])
                 return results, time.monotonic() - started
@@ -716,6 +719,13 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
         got = results[0].averaged.delta[part(spec, k, n)]
         candidates = {3: weighted_average(deltas, weights), 2: weighted_average(deltas[:2], weights[:2])}
         assert torch.allclose(got, candidates[results[0].contributors[k]][part(spec, k, n)], atol=1e-6)
+
+
+async def called_by(nodes: Sequence[Node], spec: GroupSpec, sender: int, timeout_s: float = 60.0) -> None:
+    """Waits until member `sender`'s calls reached every node (held there until its all-reduce begins)."""
+    async with asyncio.timeout(timeout_s):
+        while not all(sender in node.servicer._rounds[spec.group_id].seen for node in nodes):
+            await asyncio.sleep(0.01)
 
 
 def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:

@@ -18,6 +18,7 @@ from swarmnode.swarm.averaging.matchmaking import (
     Outcome,
     round_key,
 )
+from swarmnode.swarm.averaging.reducer import SILENT_GRACE_MIN_S, silent_grace
 from swarmnode.swarm.averaging.wire import GroupSpec, Member
 
 RUN_DIGEST = "ab" * 32
@@ -494,6 +495,14 @@ def test_a_no_show_is_not_waited_for_until_it_delivers_again() -> None:
     took, sizes = asyncio.run(scenario())
     assert sizes == {7: 2, 8: 2, 9: 0}
     assert all(seconds < 10.0 for seconds in took.values()), took  # not the 30 s matchmaking timeout
+
+
+def test_a_reducer_waits_for_a_silent_member_longer_than_members_can_begin_apart() -> None:
+    """The leader begins its all-reduce once every member answered its proposal (up to
+    PROPOSE_TIMEOUT_S after the first follower began): a reducer's grace for a member that has not
+    called yet must outlast that, or an honest leader would be cut off as a no-show."""
+    assert SILENT_GRACE_MIN_S > PROPOSE_TIMEOUT_S
+    assert silent_grace(0.0) == SILENT_GRACE_MIN_S and silent_grace(60.0) == 60.0
 
 
 def test_a_member_that_keeps_delivering_nothing_is_left_out_longer_each_time() -> None:

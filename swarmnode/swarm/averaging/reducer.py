@@ -45,10 +45,12 @@ HEADER_TIMEOUT_S = 10.0
 """How long a new `Exchange` call may take to send its header."""
 AWAIT_GROUP_MAX_S = 60.0
 """The longest an `AwaitGroup` call is held while this node is still matchmaking in its round."""
-SILENT_GRACE_MIN_S = 1.0
+SILENT_GRACE_MIN_S = 4.0
 """Once every member that called a reducer has delivered, a member that never called is waited for as
 long again as the others took (`silent_grace`), at least this long; then it is not waited for (a
-member that accepted the group and sends nothing must not hold the round to its deadline)."""
+member that accepted the group and sends nothing must not hold the round to its deadline). The floor
+covers honest members beginning apart: a follower begins as it accepts the proposal, the leader once
+every member answered it, which may take up to matchmaking's PROPOSE_TIMEOUT_S (3 s)."""
 MAX_KNOWN_GROUPS = 8
 """Groups known here at once (proposed and not over); further proposals are declined. A grouped
 round (`grouping.py`) makes up to three known here: its group's, the leaders' and the hand-off."""
