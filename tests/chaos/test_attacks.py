@@ -128,6 +128,14 @@ def group_of(meta: dict) -> list[str]:
     return (meta.get("last_round") or {}).get("group", [])
 
 
+def averaged_in(meta: dict) -> list[str]:
+    return (meta.get("last_round") or {}).get("included", [])
+
+
+def weights_of(meta: dict) -> dict[str, float]:
+    return (meta.get("last_round") or {}).get("weights", {})
+
+
 @pytest.mark.parametrize("members", [3, 4])
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_one_hostile_member_cannot_move_the_honest_loss(
@@ -141,7 +149,13 @@ def test_one_hostile_member_cannot_move_the_honest_loss(
     assert loss_ratio <= LOSS_BOUND
     joined = groups_joined(honest[0], attacker)
     if attack == "overweight":
-        assert joined == 0  # refused at the offer: it never averages
+        # Refused at the offer: never averaged in (a round it had no tokens for, it may sit in a group
+        # at weight 0), and no member of any group weighed more than a round allows.
+        rounds = cold_metadata(honest[0])
+        cap = re.search(r"over the (\d+) tokens a round allows", where)
+        assert cap is not None
+        assert not any(attacker.info["node_id"] in averaged_in(rounds[r]) for r in range(1, ROUNDS + 1))
+        assert max(w for r in range(1, ROUNDS + 1) for w in weights_of(rounds[r]).values()) <= int(cap[1])
     elif attack == "noshow":
         # In a group, cut off after a grace (not the all-reduce budget), then left out and not waited
         # for until it delivers: at most 3 of 10 groups even were it always on time.

@@ -403,7 +403,7 @@ class Matchmaker:
         recent = range(outer_step - NOT_WAITED_ROUNDS, outer_step + 1)
         heavy = {node_id for node_id, step in self._over_weight if step in recent}
         unproven = {n for n, no_show in self._no_shows.items() if not no_show.delivered_since}
-        return frozenset(unproven | heavy)
+        return self._left_out(outer_step) | unproven | heavy
 
     def _left_out(self, outer_step: int) -> frozenset[str]:
         """The members this node leaves out of round `outer_step` for delivering nothing (never itself)."""
