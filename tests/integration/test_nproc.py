@@ -1,0 +1,141 @@
+"""`--nproc-per-node`: a node of several training ranks (gloo on the CPU) is one swarm member.
+
+Real `swarmnode run` processes: a 2-rank node and a 1-rank node average with one digest every round,
+the 2-rank node weighing twice a rank's tokens; a kill -9 of the 2-rank node leaves no rank behind, its
+restart resumes from its own snapshot (bit for bit, every rank's cursor and RNG state restored) and
+every ledger replays; a rank that dies takes its node down with exit 1, at once.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from test_kill9_continuation import assert_same_run, final_state
+from test_swarm_averaging import SWARM
+
+from swarmnode.snapshot.format import iter_snapshot_files
+from swarmnode.snapshot.read import read_header
+from swarmnode.swarm.recovery.restore import read_receipts
+from swarmtest import assert_ledgers_replay, cold_metadata, start_swarm, wait_for
+
+RANKS = ("--max-ranks", "2")
+TWO_RANKS = ("--nproc-per-node", "2")
+BATCH_TOKENS = 4 * 64  # TINY_ARGS: --batch-size 4, --seq-len 64
+
+
+def rank_pids(log: str) -> list[int]:
+    """The child ranks' pids, as rank 0 logs them at start."""
+    found = re.findall(r"ranks 1\.\.\d+ are pids \[([\d, ]+)\]", log)
+    assert found, "rank 0 never said which pids its ranks have"
+    return [int(pid) for pid in found[-1].split(",")]
+
+
+def gone(pid: int) -> bool:
+    """The process ended (absent, or a zombie its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def assert_every_rank_recorded(data_dir: Path, world: int) -> None:
+    """Every snapshot records each of its node's `world` ranks: its cursor (the node's, between
+    steps) and, for ranks 1.., its RNG state."""
+    paths = list(iter_snapshot_files(data_dir / "snapshots"))
+    assert paths
+    for path in paths:
+        header = read_header(path)
+        assert header.metadata["ranks"] == [header.metadata["cursor"]] * world, path.name
+        rng = sorted(e.name for e in header.entries if e.name.startswith("rng/rank/"))
+        assert rng == [f"rng/rank/{k}/torch" for k in range(1, world)], path.name
+
+
+def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(tmp_path: Path, reaper) -> None:
+    args = [*SWARM, *RANKS, "--max-outer-steps", "2", "--wait-peers", "1"]
+    nodes = start_swarm(reaper, tmp_path, 2, args, extra=[TWO_RANKS, ()])
+    for node in nodes:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    two, one = (n.info["node_id"] for n in nodes)
+    metas = [cold_metadata(n) for n in nodes]
+    for outer in (1, 2):
+        assert len({m[outer]["global_digest"] for m in metas}) == 1, f"digests differ after round {outer}"
+        weights = metas[1][outer]["last_round"]["weights"]
+        assert set(weights) == {two, one}, "the 2-rank node is one member"
+        assert weights[one] == 10 * BATCH_TOKENS and weights[two] == 2 * weights[one]
+    assert_every_rank_recorded(nodes[0].data_dir, 2)
+    assert metas[0][2]["cursor"]["position"] == 2 * metas[1][2]["cursor"]["position"]  # 2 batches a step
+    assert_ledgers_replay(nodes)
+    for pid in rank_pids(nodes[0].log()):
+        assert gone(pid), f"rank pid {pid} outlived its node's stop"
+
+
+def test_killed_two_rank_node_leaves_no_rank_and_recovers_in_its_swarm(tmp_path: Path, reaper) -> None:
+    args = [*SWARM, *RANKS, "--max-outer-steps", "3", "--wait-peers", "1", "--hot-every", "4"]
+    nodes = start_swarm(reaper, tmp_path, 2, args, faults=["kill@inner_step#15", None], extra=[TWO_RANKS, ()])
+    two = nodes[0]
+    assert two.wait(180) == -signal.SIGKILL, two.log()[-3000:]
+    pids = rank_pids(two.log())
+    wait_for(lambda: all(gone(pid) for pid in pids), 10, "the killed node's ranks to die with it")
+    two.restart()
+    for node in nodes:
+        assert node.wait(240) == 0, node.log()[-3000:]
+    assert [r["source"] for r in read_receipts(two.data_dir)] == ["fresh", "local"]
+    metas = [cold_metadata(n) for n in nodes]
+    assert metas[0][3]["global_digest"] == metas[1][3]["global_digest"]
+    assert_every_rank_recorded(two.data_dir, 2)
+    assert_ledgers_replay(nodes)
+
+
+RUN_ARGS = (
+    *TWO_RANKS,
+    *RANKS,
+    "--inner-steps",
+    "12",
+    "--hot-every",
+    "5",
+    "--cold-every",
+    "2",
+    "--max-outer-steps",
+    "3",
+    "--seed",
+    "3",
+    "--lr-schedule",
+    "cosine",
+    "--inner-warmup-steps",
+    "6",
+)
+
+
+@pytest.fixture(scope="module")
+def two_rank_args(tmp_path_factory) -> tuple[str, ...]:
+    from swarmnode.net.identity import Identity
+
+    key = tmp_path_factory.mktemp("identity") / "node.key"
+    Identity.load_or_create(key)
+    return (*RUN_ARGS, "--identity", str(key))
+
+
+def test_killed_two_rank_node_continues_bit_identically(tmp_path: Path, reaper, two_rank_args) -> None:
+    straight = reaper.node(tmp_path / "straight", two_rank_args).start()
+    assert straight.wait(180) == 0, straight.log()[-3000:]
+    killed = reaper.node(tmp_path / "killed", two_rank_args, faults="kill@inner_step#17").start()
+    assert killed.wait(180) == -signal.SIGKILL, killed.log()[-3000:]
+    killed.restart()
+    assert killed.wait(180) == 0, killed.log()[-3000:]
+    assert [r["source"] for r in read_receipts(killed.data_dir)] == ["fresh", "local"]
+    got, want = final_state(killed.data_dir), final_state(straight.data_dir)
+    assert_same_run(got, want)
+    assert got[1]["ranks"] == want[1]["ranks"] == [want[1]["cursor"]] * 2
+    assert torch.equal(got[0]["rng/rank/1/torch"], want[0]["rng/rank/1/torch"])
+
+
+def test_dead_rank_takes_its_node_down_with_exit_1(tmp_path: Path, reaper) -> None:
+    node = reaper.node(tmp_path, [*RUN_ARGS, "--max-outer-steps", "50"], faults="kill@rank_step#7").start()
+    assert node.wait(60) == 1, node.log()[-3000:]
+    lines = [line for line in node.log().splitlines() if line.startswith("swarmnode run: error:")]
+    assert len(lines) == 1 and "rank" in lines[0], node.log()[-3000:]
+    assert all(gone(pid) for pid in rank_pids(node.log()))
