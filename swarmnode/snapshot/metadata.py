@@ -132,7 +132,7 @@ def _rank_cursors(value: Any) -> tuple[Cursor, ...] | None:
     or of a node that did not gather them)."""
     if value is None:
         return None
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_RANKS:
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_RANKS:
         raise ValueError(f"not a list of 1 to {MAX_RANKS} cursors")
     return tuple(parse_cursor(cursor) for cursor in value)
 
