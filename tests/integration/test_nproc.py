@@ -17,8 +17,12 @@ import torch
 from test_kill9_continuation import assert_same_run, final_state
 from test_swarm_averaging import SWARM
 
-from swarmnode.snapshot.format import iter_snapshot_files
-from swarmnode.snapshot.read import read_header
+from swarmnode.core.data import Batch, ShardLoader, default_corpus
+from swarmnode.core.diloco import DilocoConfig, InnerTrainer
+from swarmnode.core.gpt_spec import GptSpec
+from swarmnode.core.model import configure_determinism
+from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
+from swarmnode.snapshot.read import read_header, read_snapshot
 from swarmnode.swarm.recovery.restore import read_receipts
 from swarmtest import assert_ledgers_replay, cold_metadata, start_swarm, wait_for
 
@@ -52,6 +56,102 @@ def assert_every_rank_recorded(data_dir: Path, world: int) -> None:
         assert header.metadata["ranks"] == [header.metadata["cursor"]] * world, path.name
         rng = sorted(e.name for e in header.entries if e.name.startswith("rng/rank/"))
         assert rng == [f"rng/rank/{k}/torch" for k in range(1, world)], path.name
+
+
+def snapshots_by_step(data_dir: Path) -> dict[tuple[str, int, int], tuple[dict, dict]]:
+    """(kind, outer, inner) -> (tensors, metadata) of every snapshot of a node."""
+    found = {}
+    for path in iter_snapshot_files(data_dir / "snapshots"):
+        kind, outer, inner, _ = parse_snapshot_name(path.name)  # type: ignore[misc]
+        loaded = read_snapshot(path)
+        found[kind, outer, inner] = (loaded.tensors, loaded.metadata)
+    return found
+
+
+def data_parallel_step(state: tuple[dict, dict], batches: list[Batch], world_sync: bool) -> dict:
+    """θ after one inner step from a snapshot's `state`, its gradients averaged over `batches` (rank
+    k's batch k) as the node's all-reduce does (`world_sync`; else rank 0's batch alone)."""
+    tensors, meta = state
+    spec = GptSpec.preset("tiny", default_corpus().vocab_size)
+
+    def model() -> torch.nn.Module:
+        module = spec.build(3, torch.device("cpu"))
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(tensors[f"model/{name}"])
+        return module
+
+    others = []
+    for batch in batches[1:]:
+        replica = model()
+        spec.loss(replica, batch.inputs, batch.targets).backward()
+        others.append([p.grad for p in replica.parameters()])
+
+    def sync(params, loss: torch.Tensor) -> float:
+        for i, p in enumerate(params):
+            total = p.grad.clone()
+            for grads in others:
+                total += grads[i]
+            p.grad.copy_(total / len(batches))
+        return float(loss.detach())
+
+    trainer = InnerTrainer(
+        model(), DilocoConfig(), torch.device("cpu"), spec.loss, sync if world_sync else None
+    )
+    for name, p in trainer.model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            trainer.inner_opt.state[p][key].copy_(tensors[f"inner/{name}/{key}"])
+    trainer.set_adam_step(meta["optimizer"]["adam_step"])
+    trainer.inner_step_at(batches[0], meta["optimizer"]["lr"])
+    return {f"model/{name}": p.detach() for name, p in trainer.model.named_parameters()}
+
+
+def node_batches(cursor: dict, count: int) -> list[Batch]:
+    loader = ShardLoader(default_corpus(), cursor["shard"], 16, 4, 64, 3)
+    loader.load_state_dict(cursor)
+    return [loader.next_batch() for _ in range(count)]
+
+
+@pytest.fixture
+def deterministic_cpu():
+    """The node's CPU settings in this process (deterministic kernels, one thread), then as they were."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    configure_determinism(torch.device("cpu"), 1)
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def test_a_two_rank_step_is_the_data_parallel_step_from_rank_0s_broadcast_state(
+    tmp_path: Path, reaper, deterministic_cpu
+) -> None:
+    """Round 1's first step averages the gradients of the node's two batches; round 2's starts both
+    ranks from rank 0's θ after the outer step (its merge): without the all-reduce, or without the
+    broadcast, rank 0's θ lands elsewhere."""
+    args = [*TWO_RANKS, *RANKS, "--inner-steps", "1", "--hot-every", "1", "--cold-every", "1"]
+    # (each step waits 2 s, so the cold write of outer step 1 has ended when step 2's hot one falls due)
+    node = reaper.node(
+        tmp_path, [*args, "--max-outer-steps", "2", "--seed", "3"], faults="sleep@inner_step=2"
+    )
+    node.start()
+    assert node.wait(120) == 0, node.log()[-3000:]
+    snaps = snapshots_by_step(tmp_path)
+    first = snaps["hot", 0, 1]
+    fresh = {
+        f"model/{n}": p.detach()
+        for n, p in GptSpec.preset("tiny", 256).build(3, torch.device("cpu")).named_parameters()
+    }
+    fresh |= {
+        f"inner/{n[6:]}/{k}": torch.zeros_like(t) for n, t in fresh.items() for k in ("exp_avg", "exp_avg_sq")
+    }
+    start = {"optimizer": {"adam_step": 0, "lr": 1e-3}, "cursor": first[1]["committed_cursor"]}
+    for before, after in (((fresh, start), first), (snaps["cold", 1, 1], snaps["hot", 1, 2])):
+        batches = node_batches(before[1]["cursor"], 2)
+        got = data_parallel_step(before, batches, world_sync=True)
+        alone = data_parallel_step(before, batches, world_sync=False)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, after[0][name]), name
+        assert not all(torch.equal(t, after[0][n]) for n, t in alone.items())
 
 
 def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(tmp_path: Path, reaper) -> None:
@@ -134,8 +234,11 @@ def test_killed_two_rank_node_continues_bit_identically(tmp_path: Path, reaper, 
 
 
 def test_dead_rank_takes_its_node_down_with_exit_1(tmp_path: Path, reaper) -> None:
-    node = reaper.node(tmp_path, [*RUN_ARGS, "--max-outer-steps", "50"], faults="kill@rank_step#7").start()
+    """Rank 1 dies after the round's last step: rank 0's outer step (its θ broadcast) finds it gone and
+    the node stops there — not a failed round that trains on."""
+    node = reaper.node(tmp_path, [*RUN_ARGS, "--max-outer-steps", "50"], faults="kill@rank_step#12").start()
     assert node.wait(60) == 1, node.log()[-3000:]
     lines = [line for line in node.log().splitlines() if line.startswith("swarmnode run: error:")]
     assert len(lines) == 1 and "rank" in lines[0], node.log()[-3000:]
+    assert "failed; its work stays local progress" not in node.log()
     assert all(gone(pid) for pid in rank_pids(node.log()))
