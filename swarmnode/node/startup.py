@@ -63,7 +63,7 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     _check_ports(cfg, bulk_lanes=not security.tls)
     device = select_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
-    _check_gpu_count(cfg.nproc_per_node, device)
+    check_gpu_count(cfg.nproc_per_node, device)
     try:
         corpus = load_corpus(cfg.data)
     except OSError as exc:
@@ -78,7 +78,7 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     return StartChecks(corpus, model, device, precision, security)
 
 
-def _check_gpu_count(nproc_per_node: int, device: torch.device) -> None:
+def check_gpu_count(nproc_per_node: int, device: torch.device) -> None:
     """On CUDA every rank needs a GPU of its own."""
     if device.type == "cuda" and nproc_per_node > (count := torch.cuda.device_count()):
         raise ConfigError(

@@ -13,7 +13,7 @@ import torch
 from swarmnode.cli import main as cli
 from swarmnode.core.data import Corpus, ShardLoader
 from swarmnode.node.config import NodeConfig
-from swarmnode.node.startup import _check_gpu_count
+from swarmnode.node.startup import check_gpu_count
 from swarmnode.snapshot.format import SnapshotError
 from swarmnode.snapshot.metadata import SnapshotMetadata
 from swarmnode.snapshot.read import OPTIONAL_TENSOR
@@ -107,12 +107,12 @@ def test_combinations_a_node_of_several_ranks_refuses(settings: dict, message: s
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    _check_gpu_count(2, torch.device("cuda"))
-    _check_gpu_count(4, torch.device("cpu"))  # gloo ranks on the CPU need no GPU
+    check_gpu_count(2, torch.device("cuda"))
+    check_gpu_count(4, torch.device("cpu"))  # gloo ranks on the CPU need no GPU
     with pytest.raises(
         ConfigError, match="^--nproc-per-node: one GPU per rank, and this machine has 2, got 4$"
     ):
-        _check_gpu_count(4, torch.device("cuda"))
+        check_gpu_count(4, torch.device("cuda"))
 
 
 def test_the_weight_cap_counts_max_ranks() -> None:
