@@ -96,6 +96,9 @@ class RankGroup:
 
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world, self.device = rank, world, device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self._comm = device if device.type == "cuda" else torch.device("cpu")
         """Where the collectives' tensors live: NCCL's on the GPU, gloo's on the host."""
         self._grads: torch.Tensor | None = None

@@ -3,7 +3,9 @@
 Rank 0 — the node's own process — starts the children (`RankProcesses.start`, from its main thread,
 before anything listens), serves the process group's rendezvous store on loopback (a port the OS
 picks) and joins the group with them. Each child owns its θ replica, gradients, AdamW moments and
-data window (`core/ranks.py`) and reads rank 0's commands on its stdin. A child never outlives rank 0:
+data window (`core/ranks.py`) and reads rank 0's commands on its stdin; it ignores SIGINT and SIGTERM,
+which a terminal or a service manager send to the whole process group (rank 0's stop, with its final
+snapshot, needs it, and stops it after). A child never outlives rank 0:
 it asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG, checked against the parent's
 pid so a parent that died first is noticed too), and the end of its commands ends it as well. Rank
 0 stops its children at its own stop, and kills them when it fails; a child that died breaks rank
@@ -214,6 +216,10 @@ def rank_seed(seed: int, node_id: str, rank: int) -> int:
 def main() -> int:
     spec = RankSpec.from_json(sys.argv[1])
     _die_with_parent(spec.parent_pid)
+    # A terminal's Ctrl-C and a service manager's SIGTERM reach the whole process group: rank 0 stops
+    # the node (its final snapshot gathers from this rank), then stops this rank.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.INFO,

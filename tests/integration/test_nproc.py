@@ -242,3 +242,14 @@ def test_dead_rank_takes_its_node_down_with_exit_1(tmp_path: Path, reaper) -> No
     assert len(lines) == 1 and "rank" in lines[0], node.log()[-3000:]
     assert "failed; its work stays local progress" not in node.log()
     assert all(gone(pid) for pid in rank_pids(node.log()))
+
+
+def test_sigterm_to_the_process_group_stops_a_two_rank_node_cleanly(tmp_path: Path, reaper) -> None:
+    """A service manager's SIGTERM (or a terminal's Ctrl-C) reaches every rank: the children wait for
+    rank 0, whose stop writes the final snapshot with every rank's record, then stops them."""
+    node = reaper.node(tmp_path, [*RUN_ARGS, "--max-outer-steps", "50"]).start()
+    wait_for(lambda: any(iter_snapshot_files(tmp_path / "snapshots")), 120, "the node's first snapshot")
+    node.signal(signal.SIGTERM)
+    assert node.wait(60) == 0, node.log()[-3000:]
+    assert_every_rank_recorded(tmp_path, 2)
+    assert all(gone(pid) for pid in rank_pids(node.log()))
