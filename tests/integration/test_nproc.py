@@ -219,6 +219,7 @@ def two_rank_args(tmp_path_factory) -> tuple[str, ...]:
     return (*RUN_ARGS, "--identity", str(key))
 
 
+@pytest.mark.slow  # (three runs of a 2-rank node; the swarm's kill -9 test above runs by default)
 def test_killed_two_rank_node_continues_bit_identically(tmp_path: Path, reaper, two_rank_args) -> None:
     straight = reaper.node(tmp_path / "straight", two_rank_args).start()
     assert straight.wait(180) == 0, straight.log()[-3000:]
