@@ -20,7 +20,7 @@ from swarmnode.cli.data import add_data_parser
 from swarmnode.core.model_choice import check_model_choice
 from swarmnode.node.config import FLAG_BY_FIELD, RUN_USAGE, build_run_parser, load_config, parse_flag
 from swarmnode.util import faults, threads
-from swarmnode.util.errors import ConfigError, StateNotSaved
+from swarmnode.util.errors import ConfigError, RankFailed, StateNotSaved
 
 logger = logging.getLogger("swarmnode")
 
@@ -308,6 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except StateNotSaved as exc:
         print(f"swarmnode {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except RankFailed as exc:
+        print(
+            f"swarmnode {args.command}: error: {exc}; a restart resumes from the last snapshot",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 130

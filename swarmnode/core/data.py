@@ -172,12 +172,29 @@ class ShardLoader:
         return cursor["epoch"], cursor["position"]
 
     def next_batch(self) -> Batch:
+        epoch, position = self._advance()
+        windows = self._epoch_order()[position : position + self.batch_size]
+        return self._gather(self._start + windows * self.seq_len, epoch, position)
+
+    def next_batch_of(self, rank: int, world: int) -> Batch:
+        """Rank `rank`'s batch of the next `world` batches of the stream, the cursor past all of them:
+        the ranks of a node read batches k, k+N, k+2N, … of its one stream, so between steps every
+        rank's cursor is the node's, and the stream — which batches a cursor has passed — is the same
+        for any N (a restart with another N neither skips nor repeats one)."""
+        for _ in range(rank):
+            self._advance()
+        batch = self.next_batch()
+        for _ in range(world - rank - 1):
+            self._advance()
+        return batch
+
+    def _advance(self) -> tuple[int, int]:
+        """(epoch, position) of the next batch, and the cursor moved past it (nothing is read)."""
         if self.position + self.batch_size > self.num_windows:
             self.epoch, self.position = self.epoch + 1, 0
-        windows = self._epoch_order()[self.position : self.position + self.batch_size]
-        batch = self._gather(self._start + windows * self.seq_len, self.epoch, self.position)
+        position = self.position
         self.position += self.batch_size
-        return batch
+        return self.epoch, position
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:

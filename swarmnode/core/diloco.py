@@ -110,31 +110,30 @@ class ParamSlot:
     shape: tuple[int, ...]
 
 
-class DilocoTrainer:
-    """Owns θ (the model), AdamW, θ_g and the outer momentum; all state is `state_tensors()`.
-    θ may be of any floating dtype; θ_g, its momentum and Δ are fp32 (the master copy). Parameters
-    shared by several modules (tied weights) are one parameter here, as `named_parameters` gives them."""
+GradSync = Callable[[Sequence[torch.Tensor], torch.Tensor], float]
+"""(params, loss) -> the node's mean loss, with every parameter's gradient replaced by the mean over
+the node's ranks (`ranks.RankGroup.sync_grads`); absent on a one-rank node."""
+
+
+class InnerTrainer:
+    """θ (the model), its AdamW and the inner step: what every training rank of a node owns. With
+    `grad_sync` (a node of several ranks) each step's gradients are averaged across the ranks before
+    the clip, so every rank's θ and moments take the same step."""
 
     def __init__(
-        self, model: nn.Module, cfg: DilocoConfig, device: torch.device, loss: LossFn = logits_loss
+        self,
+        model: nn.Module,
+        cfg: DilocoConfig,
+        device: torch.device,
+        loss: LossFn = logits_loss,
+        grad_sync: GradSync | None = None,
     ) -> None:
         self.model, self.cfg, self.device, self.loss = model, cfg, device, loss
+        self.grad_sync = grad_sync
         self.precision = MixedPrecision(cfg.precision, device)
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         self.slots = _slots(named)
-        total = sum(s.numel for s in self.slots)
-        on_gpu = device.type == "cuda"
-        self._pinned = [PinnedBuffer(total, torch.float32) for _ in range(2 if on_gpu else 0)]
-        """On a GPU: θ_g and Δ in page-locked memory, so each crosses to and from the device in one DMA."""
-        self.global_flat = self._pinned[0].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
-        self.outer_momentum = torch.zeros(total, dtype=torch.float32)
-        self._delta = self._pinned[1].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
-        self._exchange = torch.empty(total, dtype=torch.float32, device=device) if on_gpu else None
-        """On a GPU: the one flat fp32 buffer through which θ, θ_g and Δ cross between device and host
-        (docs/design.md "Where the outer step runs")."""
-        self._copy_local_to(self.global_flat)
-        self._global_digest: str | None = None
         self.inner_opt = self._build_inner_optimizer(named)
         self.schedule_step = 0
         """The inner schedule's position: the next inner step takes `inner_lr_at(schedule_step)`."""
@@ -167,19 +166,72 @@ class DilocoTrainer:
 
     def inner_step(self, batch: Batch) -> float:
         """One AdamW step on θ at the schedule's learning rate, which then moves on one step; returns
-        the batch's loss before the step."""
+        the batch's loss before the step (a node's mean over its ranks' batches)."""
         lr = self.inner_lr_at(self.schedule_step)
+        self.schedule_step += 1
+        return self.inner_step_at(batch, lr)
+
+    def inner_step_at(self, batch: Batch, lr: float) -> float:
+        """One AdamW step on θ at learning rate `lr` (a rank > 0 takes its rank 0's)."""
         for group in self.inner_opt.param_groups:
             group["lr"] = lr
-        self.schedule_step += 1
         self.model.train()
         inputs = batch.inputs.to(self.device, non_blocking=True)
         targets = batch.targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
             loss = self.loss(self.model, inputs, targets)
         self.inner_opt.zero_grad(set_to_none=True)
-        self.precision.backward_step(loss, self.inner_opt, self.params, self.cfg.grad_clip)
-        return float(loss.item())
+        self.precision.backward(loss)
+        mean_loss = float(loss.item()) if self.grad_sync is None else self.grad_sync(self.params, loss)
+        self.precision.step(self.inner_opt, self.params, self.cfg.grad_clip)
+        return mean_loss
+
+    def inner_state(self) -> dict[str, torch.Tensor]:
+        """θ and the inner optimizer's moments by stable name (live tensors): what a node's ranks hold
+        alike."""
+        tensors: dict[str, torch.Tensor] = {}
+        for slot, p in zip(self.slots, self.params, strict=True):
+            tensors[f"model/{slot.name}"] = p.detach()
+            for key, value in self.inner_opt.state[p].items():  # whatever the optimizer keeps per param
+                if key != "step" and isinstance(value, torch.Tensor):
+                    tensors[f"inner/{slot.name}/{key}"] = value
+        return tensors
+
+    @property
+    def adam_step(self) -> int:
+        return int(self.inner_opt.state[self.params[0]]["step"].item())
+
+    def set_adam_step(self, step: int) -> None:
+        for p in self.params:
+            self.inner_opt.state[p]["step"] = torch.tensor(float(step))
+
+
+class DilocoTrainer(InnerTrainer):
+    """Owns θ (the model), AdamW, θ_g and the outer momentum; all state is `state_tensors()`.
+    θ may be of any floating dtype; θ_g, its momentum and Δ are fp32 (the master copy). Parameters
+    shared by several modules (tied weights) are one parameter here, as `named_parameters` gives them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: DilocoConfig,
+        device: torch.device,
+        loss: LossFn = logits_loss,
+        grad_sync: GradSync | None = None,
+    ) -> None:
+        super().__init__(model, cfg, device, loss, grad_sync)
+        total = sum(s.numel for s in self.slots)
+        on_gpu = device.type == "cuda"
+        self._pinned = [PinnedBuffer(total, torch.float32) for _ in range(2 if on_gpu else 0)]
+        """On a GPU: θ_g and Δ in page-locked memory, so each crosses to and from the device in one DMA."""
+        self.global_flat = self._pinned[0].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
+        self.outer_momentum = torch.zeros(total, dtype=torch.float32)
+        self._delta = self._pinned[1].tensor if on_gpu else torch.empty(total, dtype=torch.float32)
+        self._exchange = torch.empty(total, dtype=torch.float32, device=device) if on_gpu else None
+        """On a GPU: the one flat fp32 buffer through which θ, θ_g and Δ cross between device and host
+        (docs/design.md "Where the outer step runs")."""
+        self._copy_local_to(self.global_flat)
+        self._global_digest: str | None = None
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch], use_global: bool = True) -> float:
@@ -325,12 +377,7 @@ class DilocoTrainer:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the training state, by stable name (live tensors: copy before keeping)."""
-        tensors: dict[str, torch.Tensor] = {}
-        for slot, p in zip(self.slots, self.params, strict=True):
-            tensors[f"model/{slot.name}"] = p.detach()
-            for key, value in self.inner_opt.state[p].items():  # whatever the optimizer keeps per param
-                if key != "step" and isinstance(value, torch.Tensor):
-                    tensors[f"inner/{slot.name}/{key}"] = value
+        tensors = self.inner_state()
         for prefix, flat in (("global", self.global_flat), ("outer_momentum", self.outer_momentum)):
             for slot in self.slots:
                 tensors[f"{prefix}/{slot.name}"] = flat[slot.offset : slot.offset + slot.numel].view(
@@ -340,9 +387,8 @@ class DilocoTrainer:
         return tensors
 
     def state_metadata(self) -> dict[str, Any]:
-        step = self.inner_opt.state[self.params[0]]["step"]
         return {
-            "adam_step": int(step.item()),
+            "adam_step": self.adam_step,
             "schedule_step": self.schedule_step,
             "inner_lr": self.cfg.inner_lr,
             "schedule": self.cfg.schedule.describe(),
@@ -374,9 +420,7 @@ class DilocoTrainer:
             if not name.startswith("rng/"):
                 target.copy_(tensors[name])
         self._global_digest = None
-        step = float(metadata["adam_step"])
-        for p in self.params:
-            self.inner_opt.state[p]["step"] = torch.tensor(step)
+        self.set_adam_step(int(metadata["adam_step"]))
         self.schedule_step = int(metadata["schedule_step"])
         self.precision.load_state(metadata)
         if restore_rng:

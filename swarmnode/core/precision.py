@@ -73,12 +73,23 @@ class MixedPrecision:
     ) -> None:
         """backward, gradient-norm clip at `clip`, optimizer step (with fp16: scaled, unscaled before
         the clip, skipped when a gradient overflowed)."""
+        self.backward(loss)
+        self.step(optimizer, params, clip)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass (with fp16: of the scaled loss)."""
         if self.scaler is None:
             loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], clip: float) -> None:
+        """After `backward` (and a node's gradient all-reduce): the clip at `clip` and the optimizer
+        step (with fp16: unscaled before the clip, skipped when a gradient overflowed)."""
+        if self.scaler is None:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
             optimizer.step()
             return
-        self.scaler.scale(loss).backward()
         self.scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
         self.scaler.step(optimizer)

@@ -26,6 +26,7 @@ from swarmnode.core.data import Corpus, ShardLoader
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, Range
 from swarmnode.core.fragments import FragmentPlan
 from swarmnode.core.model_spec import ModelSpec
+from swarmnode.core.ranks import NodeRanks
 from swarmnode.snapshot.format import SnapshotError
 from swarmnode.snapshot.metadata import SnapshotMetadata, StateMetadata
 from swarmnode.snapshot.tensors import LoadedSnapshot, TensorTemplate
@@ -224,8 +225,12 @@ class TrainingRun:
         seed: int,
         device: torch.device,
         metrics: Metrics,
+        ranks: NodeRanks | None = None,
     ) -> None:
         self.identity, self.loader, self.metrics = identity, loader, metrics
+        self.ranks = ranks
+        """The node's other training ranks (`core/ranks.py`; None: a node of one rank)."""
+        self.world = ranks.world if ranks is not None else 1
         self.model_spec = model
         self.model = model.build(seed, device)
         # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
@@ -233,7 +238,8 @@ class TrainingRun:
         torch.manual_seed(
             int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
         )
-        self.trainer = DilocoTrainer(self.model, diloco, device, model.loss)
+        sync = ranks.group.sync_grads if ranks is not None else None
+        self.trainer = DilocoTrainer(self.model, diloco, device, model.loss, sync)
         self.fragments = FragmentPlan(self.trainer.global_flat.numel(), diloco.fragments)
         self.progress = Progress(committed_cursor=loader.state_dict())
         self.heldout = loader.heldout_batches(HELDOUT_BATCHES)
@@ -241,6 +247,12 @@ class TrainingRun:
         self._last_average: torch.Tensor | None = None  # (test faults only: `_poisoned`)
         self._rate_window: tuple[float, int] = (time.monotonic(), 0)
         self.sample = self._sample()
+        self._sync_ranks()
+
+    def _sync_ranks(self) -> None:
+        """Every rank takes rank 0's θ, moments and cursor (after anything that changed them here)."""
+        if self.ranks is not None:
+            self.ranks.sync(self.trainer, self.loader)
 
     def publish(self) -> None:
         """Replace the published sample with the state as it is now (on the training thread)."""
@@ -279,14 +291,17 @@ class TrainingRun:
         while p.round_step < max_steps and not any(s.is_set() for s in stops):
             if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
                 break
-            batch = self.loader.next_batch()
+            batch = self.loader.next_batch_of(0, self.world)
+            if self.ranks is not None:
+                self.ranks.step(self.trainer.inner_lr_at(self.trainer.schedule_step))
             loss = self.trainer.inner_step(batch)
+            tokens = batch.num_tokens * self.world  # the node's weight: its ranks' tokens
             p.inner_step += 1
             p.round_step += 1
-            p.round_tokens += batch.num_tokens
-            p.tokens += batch.num_tokens
+            p.round_tokens += tokens
+            p.tokens += tokens
             p.last_loss = loss
-            self._count_step(batch.num_tokens, loss)
+            self._count_step(tokens, loss)
             self.publish()
             faults.hit("inner_step", p.inner_step)
             after_step()
@@ -361,6 +376,7 @@ class TrainingRun:
             p.round_tokens = p.round_tokens - int(overlapped.weight) if overlapped is not None else 0
             p.committed_cursor = dict(overlapped.end) if overlapped is not None else self.loader.state_dict()
         p.last_round = round_info
+        self._sync_ranks()  # θ broadcast: every rank starts the next round from rank 0's θ
         p.heldout_loss = self.trainer.evaluate(self.heldout)
         self.metrics.outer_steps.inc()
         self.metrics.outer_step.set(p.outer_step)
@@ -381,8 +397,19 @@ class TrainingRun:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_tensors()
 
+    def snapshot_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The whole node's state for a snapshot: rank 0's tensors and metadata, with every rank's cursor
+        and the RNG states of ranks 1..N−1 gathered from them."""
+        tensors, metadata = self.state_tensors(), self.state_metadata()
+        if self.ranks is not None:
+            records = self.ranks.gather(self.loader)
+            tensors = {**tensors, **records.rng}
+            metadata["ranks"] = list(records.cursors)
+        return tensors, metadata
+
     def state_metadata(self) -> dict[str, Any]:
-        """The state's metadata for a snapshot (the writer adds its kind and layout)."""
+        """The state's metadata for a snapshot (the writer adds its kind and layout); with several ranks
+        their cursors are known only to `snapshot_state`."""
         ident, p = self.identity, self.progress
         assert p.committed_cursor is not None
         return StateMetadata(
@@ -405,6 +432,7 @@ class TrainingRun:
             global_digest=self.trainer.global_digest(),
             optimizer=self.trainer.state_metadata(),
             created_at=clock.now(),
+            ranks=(self.loader.state_dict(),) if self.ranks is None else None,
         ).to_dict()
 
     def template(self) -> TensorTemplate:
@@ -421,9 +449,15 @@ class TrainingRun:
         assert_training_thread("a restore")
         self._check_cursor(meta.cursor)
         self._check_cursor(meta.committed_cursor)
+        self._check_rank_cursors(meta)
         self.trainer.load_state(snapshot.tensors, dict(meta.optimizer))
         self.loader.load_state_dict(meta.cursor)
         self._restore_progress(meta, keep_round=True)
+        self._sync_ranks()
+        if self.ranks is not None and not self.ranks.restore_rng(snapshot.tensors):
+            logger.info(
+                "the snapshot has no RNG states of this node's %d ranks: they keep their own", self.world
+            )
         self.publish()
 
     def restore_from_peer(
@@ -447,6 +481,7 @@ class TrainingRun:
             self.loader.load_state_dict(cursor)
         self._restore_progress(meta, keep_round=False)
         self.progress.inner_step, self.progress.tokens = own_steps
+        self._sync_ranks()
         self.publish()
 
     def assign_shard(self, shard: int) -> None:
@@ -454,6 +489,7 @@ class TrainingRun:
         assert_training_thread("assigning a shard")
         self.loader.move_to(shard)
         self.progress.committed_cursor = self.loader.state_dict()
+        self._sync_ranks()
         self.publish()
 
     def resume_cursor(self, cursor: dict[str, int], steps: tuple[int, int]) -> None:
@@ -463,7 +499,25 @@ class TrainingRun:
         self.loader.load_state_dict(cursor)
         self.progress.committed_cursor = self.loader.state_dict()
         self.progress.inner_step, self.progress.tokens = steps
+        self._sync_ranks()
         self.publish()
+
+    def _check_rank_cursors(self, meta: SnapshotMetadata) -> None:
+        """A snapshot's ranks all sit at its cursor (a step moves every rank's cursor past the node's
+        next N batches: `ShardLoader.next_batch_of`), so any rank count resumes its stream: with the
+        same count every rank exactly, with another the stream re-partitioned (said once).
+        SnapshotError (nothing changed) if a rank's cursor is elsewhere."""
+        ranks = meta.ranks or (meta.cursor,)
+        if any(dict(cursor) != dict(meta.cursor) for cursor in ranks):
+            raise SnapshotError(f"snapshot's rank cursors {list(ranks)} are not all its cursor {meta.cursor}")
+        if meta.ranks is not None and len(ranks) != self.world:
+            logger.info(
+                "the snapshot was taken with %d ranks, this node has %d: its ranks read the same stream of "
+                "batches from the cursor, re-partitioned (rank k takes batches k, k+%d, …)",
+                len(ranks),
+                self.world,
+                self.world,
+            )
 
     def _check_cursor(self, cursor: dict[str, int]) -> None:
         try:

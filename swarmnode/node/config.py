@@ -25,6 +25,7 @@ from swarmnode.core.schedule import DEFAULT_FINAL_FRACTION, LR_SCHEDULES, InnerS
 from swarmnode.net.dht_records import MAX_TTL_S
 from swarmnode.node import flag_values
 from swarmnode.snapshot.format import LAYOUTS
+from swarmnode.snapshot.metadata import MAX_RANKS
 from swarmnode.swarm.averaging.matchmaking import DEFAULT_GROUP_SIZE
 from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 from swarmnode.swarm.averaging.wire import MAX_TIMEOUT_S, WIRE_DTYPES
@@ -51,6 +52,8 @@ class NodeConfig:
     data: str | None = None
     device: str = "auto"
     precision: str = "auto"
+    nproc_per_node: int = 1
+    max_ranks: int = 1
     threads: int | None = None
     inner_steps: int = 500
     inner_seconds: float | None = None
@@ -134,9 +137,9 @@ class NodeConfig:
     @property
     def round_tokens(self) -> int:
         """The most tokens a member's contribution may weigh in a round: --batch-size × --seq-len ×
-        --inner-steps (a whole inner phase, fragments or not). It enters the run digest, so every
-        member of a run applies the same cap."""
-        return self.batch_size * self.seq_len * self.inner_steps
+        --inner-steps (a whole inner phase, fragments or not) × --max-ranks (a node of N ranks trains
+        N batches a step). It enters the run digest, so every member of a run applies the same cap."""
+        return self.batch_size * self.seq_len * self.inner_steps * self.max_ranks
 
     def round_steps(self, outer_step: int) -> int:
         """Inner steps of round `outer_step`: H, or about H/K with --fragments K (core/fragments.py)."""
@@ -186,6 +189,28 @@ def _check_combinations(cfg: NodeConfig) -> None:
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
+    _check_ranks(cfg)
+
+
+def _check_ranks(cfg: NodeConfig) -> None:
+    """What --nproc-per-node works with (the GPU count is checked at start-up, where it is known)."""
+    if cfg.max_ranks > MAX_RANKS:
+        raise ConfigError(f"--max-ranks: at most {MAX_RANKS}, got {cfg.max_ranks}")
+    if cfg.nproc_per_node > cfg.max_ranks:
+        raise ConfigError(
+            f"--nproc-per-node: at most --max-ranks ({cfg.max_ranks}), the ranks a member of the run may "
+            f"weigh as; got {cfg.nproc_per_node}"
+        )
+    if cfg.nproc_per_node == 1:
+        return
+    if cfg.overlap == "on":
+        raise ConfigError(f"--nproc-per-node: not built with --overlap on yet, got {cfg.nproc_per_node}")
+    if cfg.fragments != 1:
+        raise ConfigError(f"--nproc-per-node: not built with --fragments yet, got {cfg.nproc_per_node}")
+    if cfg.device.startswith("cuda:"):
+        raise ConfigError(
+            f"--nproc-per-node: rank k trains on GPU k; give --device cuda (or auto), not {cfg.device!r}"
+        )
 
 
 def _check_port_clashes(cfg: NodeConfig) -> None:
@@ -352,6 +377,33 @@ FLAGS: tuple[Flag, ...] = (
             'docs/design.md "Precision and the GPU path".'
         ),
         group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "nproc_per_node",
+        flag_values.positive_int,
+        "training processes (ranks) of this node, one per GPU: its inner steps run data parallel "
+        "across them (NCCL on CUDA, gloo on the CPU), and it stays one swarm member",
+        metavar="N",
+        details=(
+            "Rank 0 is the node's own process (the DHT, gRPC, the all-reduce, the outer step, snapshots); "
+            "ranks 1..N−1 are its children, each with its own batch every step, gradients averaged "
+            "across the ranks. The node's weight in a round is its ranks' tokens; every rank's cursor is "
+            "in its snapshots. Not with `--overlap on` or `--fragments` yet. "
+            'docs/design.md "Many GPUs in one node".'
+        ),
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "max_ranks",
+        flag_values.positive_int,
+        "the most ranks (--nproc-per-node) a member of the run may have: a member's weight in a round "
+        "is capped at that many ranks' tokens (must agree across the run)",
+        metavar="N",
+        details=(
+            "It scales the cap on a member's round weight (--batch-size × --seq-len × --inner-steps × N), "
+            "so it enters the run digest; a run whose nodes all have one rank keeps the default 1."
+        ),
+        group=FlagGroup.TRUST,
     ),
     Flag(
         "threads",

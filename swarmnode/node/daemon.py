@@ -40,6 +40,7 @@ from swarmnode.net.security import Security
 from swarmnode.node.config import NodeConfig
 from swarmnode.node.overlap import OverlappedRounds
 from swarmnode.node.progress import Phase, ProgressReporter, ProgressSample
+from swarmnode.node.rank import RankProcesses, RankSpec
 from swarmnode.node.round_loop import BlockingRounds
 from swarmnode.node.services import Services, StatusBoard, report_progress, start_services, write_node_file
 from swarmnode.node.startup import (
@@ -91,6 +92,15 @@ class NodeParts:
     """The descriptor holding DATA_DIR/node.lock for the process's life."""
     fresh: FreshDataDir
     """What the data dir held before this start (undone if the services cannot start)."""
+    ranks: RankProcesses | None = None
+    """The node's training ranks 1..N−1 (--nproc-per-node N > 1), stopped when the node ends."""
+
+    def end_ranks(self, failed: bool) -> None:
+        """The node's other ranks leave (killed at once when the node failed)."""
+        if self.ranks is not None and failed:
+            self.ranks.kill()
+        elif self.ranks is not None:
+            self.ranks.stop()
 
 
 def build_parts(cfg: NodeConfig, metrics: Metrics | None = None) -> NodeParts:
@@ -117,7 +127,18 @@ def _assemble(
     configure_determinism(checked.device, cfg.threads)
     shard = cfg.shard or 0  # (moved to the shard the node claims once the DHT runs: swarm/shards.py)
     loader = ShardLoader(checked.corpus, shard, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
-    diloco = DilocoConfig(
+    diloco = _diloco_config(cfg, checked)
+    ranks = _start_ranks(cfg, checked, identity.node_id_hex, diloco)
+    try:
+        return _assemble_run(cfg, checked, lock, fresh, metrics, identity, loader, diloco, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
+
+
+def _diloco_config(cfg: NodeConfig, checked: StartChecks) -> DilocoConfig:
+    return DilocoConfig(
         inner_lr=cfg.inner_lr,
         schedule=cfg.inner_schedule,
         outer_lr=cfg.outer_lr,
@@ -127,6 +148,47 @@ def _assemble(
         round_tokens=cfg.round_tokens,
         precision=checked.precision,
     )
+
+
+def _start_ranks(
+    cfg: NodeConfig, checked: StartChecks, node_id: str, diloco: DilocoConfig
+) -> RankProcesses | None:
+    """Ranks 1..N−1 of a node of --nproc-per-node N, joined in its process group (None for N = 1)."""
+    if cfg.nproc_per_node == 1:
+        return None
+    spec = RankSpec(
+        rank=0,
+        world=cfg.nproc_per_node,
+        store_port=0,
+        parent_pid=os.getpid(),
+        node_id=node_id,
+        model=cfg.model,
+        data=cfg.data,
+        device=str(checked.device),
+        precision=str(checked.precision),
+        threads=cfg.threads,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        num_shards=cfg.num_shards,
+        seed=cfg.seed,
+        weight_decay=diloco.weight_decay,
+        betas=diloco.betas,
+        grad_clip=diloco.grad_clip,
+    )
+    return RankProcesses.start(spec, checked.device)
+
+
+def _assemble_run(
+    cfg: NodeConfig,
+    checked: StartChecks,
+    lock: int,
+    fresh: FreshDataDir,
+    metrics: Metrics,
+    identity: Identity,
+    loader: ShardLoader,
+    diloco: DilocoConfig,
+    ranks: RankProcesses | None,
+) -> NodeParts:
     corpus_digest = checked.corpus.digest
     settings = run_settings(checked.model, cfg.seq_len, cfg.num_shards, cfg.seed, diloco, corpus_digest)
     run_identity = RunIdentity(
@@ -139,7 +201,15 @@ def _assemble(
     )
     digest = run_identity.run_digest
     run = TrainingRun(
-        checked.model, diloco, loader, checked.corpus, run_identity, cfg.seed, checked.device, metrics
+        checked.model,
+        diloco,
+        loader,
+        checked.corpus,
+        run_identity,
+        cfg.seed,
+        checked.device,
+        metrics,
+        ranks.ranks if ranks is not None else None,
     )
     checkpointer = SpeculativeCheckpointer(
         CheckpointerConfig(
@@ -160,6 +230,7 @@ def _assemble(
         metrics,
         lock,
         fresh,
+        ranks,
     )
     _log_built(parts, checked.corpus.description, len(checked.corpus.tokens))
     return parts
@@ -190,14 +261,18 @@ async def run_node(parts: NodeParts, progress: ProgressReporter | None = None) -
     identity = parts.run.identity
     board = StatusBoard(identity.run_id, identity.node_id, time.time(), run_settings=identity.settings)
     training, ledger_thread = TrainingThread(), OwnedThread(LEDGER_THREAD)
+    failed = True
     try:
         async with contextlib.AsyncExitStack() as stack:
             services = await _start_services_or_undo(parts, stack, board)
             write_node_file(parts.cfg, services.ports, parts.run)
-            return await Node(parts, services, board, training, ledger_thread, progress).run()
+            code = await Node(parts, services, board, training, ledger_thread, progress).run()
+            failed = False
+            return code
     finally:
         training.close()
         ledger_thread.close()
+        parts.end_ranks(failed)
 
 
 async def _start_services_or_undo(
@@ -570,7 +645,8 @@ class Node:
 
     def _snapshot(self, kind: str) -> bool:
         run = self.run_state
-        return self.parts.checkpointer.snapshot(run.state_tensors(), run.state_metadata(), kind)
+        tensors, metadata = run.snapshot_state()  # (with several ranks: their cursors and RNG gathered)
+        return self.parts.checkpointer.snapshot(tensors, metadata, kind)
 
     def _final_snapshot(self) -> None:
         checkpointer, sample = self.parts.checkpointer, self.run_state.sample

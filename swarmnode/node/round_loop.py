@@ -15,6 +15,7 @@ from typing import Protocol
 from swarmnode.core.training import RoundStart
 from swarmnode.node.progress import Phase
 from swarmnode.swarm.averaging.rounds import RoundResult
+from swarmnode.util.errors import RankFailed
 
 
 class RoundSteps(Protocol):
@@ -113,12 +114,15 @@ class BlockingRounds:
 
     async def _outer_step_or_failure(self) -> RoundResult | None:
         """The round's outer step; a round must never take the daemon down: a failure is logged with its
-        traceback, counted, and its work stays local progress (None: nothing to decide on next)."""
+        traceback, counted, and its work stays local progress (None: nothing to decide on next). A
+        rank of this node that broke (`RankFailed`) is not a round's failure: it ends the node."""
         steps = self.steps
         try:
             start = await steps.begin_round()
             result = await steps.average_round(start)
             return await steps.finish_round(start, result, overlapped=False)
+        except RankFailed:
+            raise
         except Exception:
             await steps.round_failed()
             return None

@@ -63,6 +63,7 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     _check_ports(cfg, bulk_lanes=not security.tls)
     device = select_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
+    check_gpu_count(cfg.nproc_per_node, device)
     try:
         corpus = load_corpus(cfg.data)
     except OSError as exc:
@@ -75,6 +76,14 @@ def preflight(cfg: NodeConfig) -> StartChecks:
     # Every shard has the same length, so the node's own (not known before its key exists) builds too.
     ShardLoader(corpus, cfg.shard or 0, cfg.num_shards, cfg.batch_size, cfg.seq_len, cfg.seed)
     return StartChecks(corpus, model, device, precision, security)
+
+
+def check_gpu_count(nproc_per_node: int, device: torch.device) -> None:
+    """On CUDA every rank needs a GPU of its own."""
+    if device.type == "cuda" and nproc_per_node > (count := torch.cuda.device_count()):
+        raise ConfigError(
+            f"--nproc-per-node: one GPU per rank, and this machine has {count}, got {nproc_per_node}"
+        )
 
 
 def exposure_warning(cfg: NodeConfig) -> str | None:

@@ -35,6 +35,13 @@ def _field(raw: Mapping[str, Any], name: str, parse: Any) -> Any:
         raise _BadField(f"{name} = {_short(value)}: {exc}") from None
 
 
+def _present(raw: Mapping[str, Any], f: Any) -> Any:
+    """A field's parsed value; its `absent` value when an optional field is missing."""
+    if f.name not in raw and f.metadata["absent"] is not ...:
+        return f.metadata["absent"]
+    return _field(raw, f.name, f.metadata["parse"])
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -116,9 +123,24 @@ def parse_grad_scaler(value: Any) -> tuple[float, int]:
     return scale, parse_count(scaler.get("growth_tracker"))
 
 
-def _checked(parse: Callable[[Any], Any]) -> Any:
-    """A metadata field and the check its value gets when a snapshot is read."""
-    return field(metadata={"parse": parse})
+MAX_RANKS = 64
+"""The most training ranks a snapshot may record (`ranks`)."""
+
+
+def _rank_cursors(value: Any) -> tuple[Cursor, ...] | None:
+    """Every training rank's cursor, in rank order (None: a snapshot from before ranks were recorded,
+    or of a node that did not gather them)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_RANKS:
+        raise ValueError(f"not a list of 1 to {MAX_RANKS} cursors")
+    return tuple(parse_cursor(cursor) for cursor in value)
+
+
+def _checked(parse: Callable[[Any], Any], *, absent: Any = ...) -> Any:
+    """A metadata field and the check its value gets when a snapshot is read (`absent`: the value a
+    snapshot that lacks the field gets; none: the field is required)."""
+    return field(metadata={"parse": parse, "absent": absent})
 
 
 @dataclass(frozen=True)
@@ -154,6 +176,8 @@ class StateMetadata:
     learning-rate schedule's position (`schedule_step`, with the schedule and its current `lr`)."""
     created_at: float = _checked(_finite_number)
     """Unix seconds by the writer's clock."""
+    ranks: tuple[Cursor, ...] | None = _checked(_rank_cursors, absent=None)
+    """Every training rank's cursor, in rank order (`core/ranks.py`; [cursor] on a one-rank node)."""
 
     @property
     def adam_step(self) -> int:
@@ -179,7 +203,7 @@ class SnapshotMetadata(StateMetadata):
     def parse(cls, raw: Mapping[str, Any]) -> SnapshotMetadata:
         """The metadata of a snapshot, or SnapshotError naming the first field that is missing or wrong."""
         try:
-            return cls(**{f.name: _field(raw, f.name, f.metadata["parse"]) for f in fields(cls)})
+            return cls(**{f.name: _present(raw, f) for f in fields(cls)})
         except KeyError as exc:
             raise SnapshotError(f"malformed snapshot metadata: {exc.args[0]!r} is missing") from None
         except _BadField as exc:

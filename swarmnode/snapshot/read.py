@@ -175,15 +175,16 @@ def _read_header(stream: _Decompressed) -> SnapshotHeader:
     return _parse_header(stream.read_exact(length))
 
 
-OPTIONAL_TENSOR = re.compile(r"^rng/cuda/\d{1,2}$")
-"""Tensors a snapshot may hold beyond this model's (a GPU node's RNG states, read by a CPU node)."""
+OPTIONAL_TENSOR = re.compile(r"^rng/(cuda/\d{1,2}|rank/\d{1,2}/(torch|cuda))$")
+"""Tensors a snapshot may hold beyond this model's: a GPU node's RNG states (read by a CPU node), the
+RNG states of a node's ranks 1..N−1 (read by a node of another rank count)."""
 OPTIONAL_TENSOR_MAX_BYTES = 64 << 10
 
 
 def check_template(header: SnapshotHeader, template: TensorTemplate) -> None:
     """Refuse a header whose tensors differ from what this model expects (before allocating any):
     every tensor of the template with its dtype and shape (CUDA RNG states optional), nothing else but
-    small CUDA RNG states."""
+    small RNG states (`OPTIONAL_TENSOR`)."""
     stored = {e.name: e for e in header.entries}
     for name, (dtype, shape) in template.items():
         entry = stored.get(name)

@@ -24,3 +24,8 @@ class PeerFault(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class RankFailed(RuntimeError):
+    """A training rank of this node died, hung past the process group's timeout or broke a collective
+    (`core/ranks.py`): the node stops (exit 1, one line) and its restart resumes from its snapshot."""

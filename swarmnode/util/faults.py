@@ -47,6 +47,7 @@ ACTIONS = (
 )
 THREAD_POINTS = (
     "inner_step",  # after each inner step (training thread)
+    "rank_step",  # after each inner step of a training rank > 0 (its own process, --nproc-per-node)
     "overlap_step",  # after each inner step taken while a round is in flight (--overlap on)
     "snapshot_write",  # before each snapshot write (writer thread)
     "snapshot_halfway",  # half-way through writing a snapshot, counted over both kinds

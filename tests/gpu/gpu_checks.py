@@ -12,6 +12,8 @@ figures it measured (printed by the script; never asserted: targets are read, no
 - kill -9 on a GPU: the same cursor, weights and optimizer state equal to the snapshot's bytes (in
   process), and a killed `swarmnode run --device cuda` resuming from its newest snapshot;
 - a 2-node swarm on one GPU with one global digest per round;
+- `--nproc-per-node 2` (NCCL, two GPUs) beside a one-rank node: one digest per round, twice the weight;
+  `--nproc-per-node` past the GPU count refused;
 - `--device cuda:N` past the device count refused.
 
 `GPU_CHECKS_DEVICE=cpu python tests/gpu/gpu_checks.py` runs the same checks on the CPU (smaller, and
@@ -41,6 +43,7 @@ from swarmnode.core.gpt_spec import GptSpec  # noqa: E402
 from swarmnode.core.model import select_device  # noqa: E402
 from swarmnode.core.precision import Precision  # noqa: E402
 from swarmnode.core.training import RunIdentity, TrainingRun, run_digest  # noqa: E402
+from swarmnode.node.startup import check_gpu_count  # noqa: E402
 from swarmnode.snapshot.metadata import SnapshotMetadata  # noqa: E402
 from swarmnode.snapshot.read import read_snapshot  # noqa: E402
 from swarmnode.snapshot.staging import StagingBuffers  # noqa: E402
@@ -269,6 +272,44 @@ def check_two_nodes_on_one_gpu_average() -> Figures:
         reaper.kill_all()
 
 
+def check_a_two_rank_node_and_a_one_rank_node_average() -> Figures:
+    """`--nproc-per-node 2` (NCCL, GPUs 0 and 1) beside a one-rank node: one digest per round, the
+    2-rank node weighing twice. Needs two GPUs (on one it says so and checks nothing); on the CPU
+    (GPU_CHECKS_DEVICE=cpu) the ranks use gloo."""
+    if ON_GPU and torch.cuda.device_count() < 2:
+        return {"skipped: GPUs": float(torch.cuda.device_count())}
+    reaper = ProcessReaper()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = [*SWARM, *GPU_NODE, "--max-outer-steps", "2", "--wait-peers", "1", "--max-ranks", "2"]
+            nodes = start_swarm(reaper, Path(tmp), 2, args, extra=[("--nproc-per-node", "2"), ()])
+            for node in nodes:
+                assert node.wait(300) == 0, node.log_tail()
+            metas = [cold_metadata(n) for n in nodes]
+            two, one = (n.info["node_id"] for n in nodes)
+            for outer in (1, 2):
+                assert len({m[outer]["global_digest"] for m in metas}) == 1, f"round {outer} differs"
+                weights = metas[1][outer]["last_round"]["weights"]
+                assert weights[two] == 2 * weights[one], weights
+            return {"rounds agreed": 2.0}
+    finally:
+        reaper.kill_all()
+
+
+def check_ranks_past_the_gpu_count_are_refused() -> Figures:
+    """`--nproc-per-node` above the GPU count: exit 2 before anything starts (a CPU has no such limit)."""
+    if not ON_GPU:
+        return {}
+    count = torch.cuda.device_count()
+    ranks = str(count + 1)
+    try:
+        check_gpu_count(count + 1, torch.device("cuda"))
+    except ConfigError as exc:
+        assert str(exc).startswith("--nproc-per-node: one GPU per rank"), exc
+        return {"devices": float(count), "ranks refused": float(ranks)}
+    raise AssertionError(f"{ranks} ranks on {count} GPUs were accepted")
+
+
 def check_a_gpu_past_the_count_is_refused() -> Figures:
     count = torch.cuda.device_count() if ON_GPU else 0
     try:
@@ -289,6 +330,8 @@ CHECKS: tuple[Callable[[], Figures], ...] = (
     check_restore_on_the_gpu_equals_the_snapshot_bytes,
     check_a_killed_gpu_node_resumes_from_its_snapshot,
     check_two_nodes_on_one_gpu_average,
+    check_ranks_past_the_gpu_count_are_refused,
+    check_a_two_rank_node_and_a_one_rank_node_average,
 )
 
 

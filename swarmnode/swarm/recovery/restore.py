@@ -42,7 +42,7 @@ from swarmnode.snapshot.read import read_snapshot, read_snapshot_stream
 from swarmnode.snapshot.tensors import LoadedSnapshot
 from swarmnode.swarm.announcements import Announcement
 from swarmnode.swarm.recovery.many_peers import ManyPeerFetch, RangedState
-from swarmnode.util.errors import PeerFault
+from swarmnode.util.errors import PeerFault, RankFailed
 from swarmnode.util.labels import CursorSource, FetchFailure, RecoverySource
 from swarmnode.util.threads import TrainingThread
 
@@ -196,6 +196,8 @@ class Recovery:
             self._refused(candidate, exc.reason, exc, failed)
         except OSError as exc:  # a disk that fails, or a socket a library let through
             self._refused(candidate, FetchFailure.UNREACHABLE, exc, failed)
+        except RankFailed:  # this node's own rank broke: no other candidate helps
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug here: never the peer's fault; go on with the next
             logger.exception("recovery candidate %s failed unexpectedly", candidate.describe())
             self._refused(candidate, FetchFailure.INTERNAL, exc, failed)
@@ -217,6 +219,8 @@ class Recovery:
             reason = exc.reason if isinstance(exc, PeerFault) else FetchFailure.INVALID
             self._many_refused(outer_step, reason, exc, failed)
             return None
+        except RankFailed:
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug here: fall back to one peer at a time
             logger.exception("recovery from many peers at outer step %d failed unexpectedly", outer_step)
             self._many_refused(outer_step, FetchFailure.INTERNAL, exc, failed)
