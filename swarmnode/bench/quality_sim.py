@@ -25,7 +25,7 @@ R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; a
 round's average through the node's robust outer step (screen and CenteredClip,
 `swarm/averaging/aggregation.py`): its honest cost; and `topk`, SparseLoCo's outer step
 (`DilocoConfig.topk`: error feedback, chunk-wise top-k with 2-bit values at `topk_density`, α = 1,
-no momentum), each ĉ through the top-k wire codec.
+no momentum), each ĉ through the top-k wire codec; `topk_robust`, the same through the robust outer step.
 """
 
 from __future__ import annotations
@@ -92,9 +92,11 @@ class Side(StrEnum):
     FRAGMENTS = "fragments"
     ROBUST = "robust"
     TOPK = "topk"
+    TOPK_ROBUST = "topk_robust"
 
 
-VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK)
+VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK, Side.TOPK_ROBUST)
+_TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST)
 TOPK_OUTER_LR = 1.0
 """SparseLoCo's outer step: θ_g ← θ_g − α·mean(ĉ), α = 1, no momentum (the error feedback is it)."""
 LABELS = {
@@ -106,6 +108,7 @@ LABELS = {
     Side.FRAGMENTS: f"DiLoCo, {FRAGMENTS} fragments",
     Side.ROBUST: "DiLoCo, robust outer step",
     Side.TOPK: "SparseLoCo, top-k wire",
+    Side.TOPK_ROBUST: "SparseLoCo, robust outer step",
 }
 
 
@@ -165,8 +168,8 @@ class Curve:
 
     @property
     def label(self) -> str:
-        if self.job.side == Side.TOPK:
-            return f"{LABELS[Side.TOPK]} {self.job.topk_density:.1%}"
+        if self.job.side in _TOPK_SIDES:
+            return f"{LABELS[self.job.side]} {self.job.topk_density:.1%}"
         return LABELS[self.job.side].format(w=self.job.workers)
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +210,7 @@ def train_side(job: SideJob) -> Curve:
         Side.FRAGMENTS: _fragment_rounds,
         Side.ROBUST: _diloco_rounds,
         Side.TOPK: _diloco_rounds,
+        Side.TOPK_ROBUST: _diloco_rounds,
     }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
@@ -225,7 +229,7 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
     """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
     spec = load_model_spec(job.model, corpus.vocab_size)  # a preset, or an hf:/py: model
     model = spec.build(0, torch.device("cpu"))
-    topk = sparse.kept_per_chunk(job.topk_density) if job.side == Side.TOPK else 0
+    topk = sparse.kept_per_chunk(job.topk_density) if job.side in _TOPK_SIDES else 0
     cfg = DilocoConfig(
         inner_lr=job.lr,
         schedule=job.schedule,
@@ -243,7 +247,8 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
     average lands `OVERLAP_SHARE`·H inner steps into the next round (the last one after the last)."""
     trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
     loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
-    wire = {Side.INT4: "int4", Side.TOPK: sparse.wire_name(trainers[0].cfg.topk or 1)}.get(job.side, "fp32")
+    topk_wire = sparse.wire_name(trainers[0].cfg.topk or 1)
+    wire = {Side.INT4: "int4", Side.TOPK: topk_wire, Side.TOPK_ROBUST: topk_wire}.get(job.side, "fp32")
     overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side == Side.OVERLAP else 0
     pending: AveragedDelta | None = None
     yield trainers[0], True
@@ -260,7 +265,7 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
             for _ in range(job.inner_steps - early):
                 trainer.inner_step(shard_loader.next_batch())
         deltas = [t.pseudo_gradient().clone() for t in trainers]
-        averaged = group_average(deltas, wire, robust=job.side == Side.ROBUST)
+        averaged = group_average(deltas, wire, robust=job.side in (Side.ROBUST, Side.TOPK_ROBUST))
         if overlap:
             pending = averaged
             continue
@@ -439,9 +444,11 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
 
 
 def topk_sweep(setup: Setup, densities: Sequence[float], log_dir: Path) -> tuple[Curve, list[Curve]]:
-    """Blocking DiLoCo (fp32) and the top-k wire at each density, same learning rates and tokens."""
+    """Blocking DiLoCo (fp32) and the top-k wire at each density, same learning rates and tokens, and
+    the top-k wire through the robust outer step at the default density (its honest cost)."""
     base = setup.job(Side.DILOCO)
     jobs = [base, *(replace(base, side=Side.TOPK, topk_density=d) for d in densities)]
+    jobs.append(replace(base, side=Side.TOPK_ROBUST, topk_density=sparse.DEFAULT_DENSITY))
     curves = run_jobs(jobs, log_dir)
     return curves[0], curves[1:]
 
@@ -451,8 +458,9 @@ def report_topk_sweep(result: BenchResult, base: Curve, curves: Sequence[Curve])
     for curve in curves:
         d = curve.job.topk_density
         note = f"{curve.seconds:.0f} s"
-        result.add(f"quality: top-k at density {d:g} held-out loss", curve.final, "nats", note)
-        result.ratio(f"top-k {d:g} loss / DiLoCo fp32 loss", curve.final / base.final, "target ≤ 1.01")
+        name = f"top-k {d:g}" + (", robust" if curve.job.side == Side.TOPK_ROBUST else "")
+        result.add(f"quality: {name} held-out loss", curve.final, "nats", note)
+        result.ratio(f"{name} loss / DiLoCo fp32 loss", curve.final / base.final, "target ≤ 1.01")
     result.series["topk sweep"] = [c.to_dict() for c in (base, *curves)]
 
 
