@@ -21,6 +21,13 @@ Failure semantics:
 - A member of weight 0 (averaged into nothing) sends each reducer only its header, then ends its
   side of the call: it is no longer expected, and it still gets the part's average.
 
+With a top-k wire (`wire.is_sparse`, docs/design.md "Top-k wire") the parts are whole chunks and a
+reducer relays rather than averages: it answers each caller with every other contribution to its part
+that arrived whole and validated (each with its weight), and every member, the reducer included, takes
+the same robust average (`aggregation.average`) of the same images in member order, its own from the
+image it sent. The bytes are an all-gather's, (N − 1) images per member; who is in a part is still
+decided by its reducer alone, so the failure semantics above hold as they are.
+
 This module is the member side; the reducer side (`AveragingService`) is `reducer.py`.
 """
 
@@ -504,6 +511,8 @@ class _Butterfly:
         offset = 0
         for member in sorted(arrived):
             if member == self.me:
+                if k not in self.images:  # we sent no values (weight 0): a relay naming us lies
+                    raise ValueError("the relay names our contribution, which we did not send")
                 contributions.append((member, self.weight, self.images[k]))
                 continue
             (weight,) = struct.unpack_from("<d", image, offset)
