@@ -12,6 +12,10 @@ Robust aggregation (`aggregation.average`): a contribution holding NaN/Inf, or w
 `max_norm_ratio` × the lower median of the part's contribution norms, is left out of the average (its
 tokens are not counted, it is not among the members the result names); one far from the others is
 clipped (CenteredClip). Both are counted by reason and logged once per peer.
+
+Top-k wire: a part whose image does not validate (`core/sparse.py`) is refused as `bad_sparse`; the
+result a caller gets is the other contributions themselves (`relay_image`), which every member averages
+as this reducer does (`allreduce.py`).
 """
 
 from __future__ import annotations
