@@ -14,7 +14,9 @@ both engines up (connections, buffers) and is not counted; then the engines and 
 `rounds` times. The profile: each member's CPU seconds (all threads) and the time at which the slowest
 member reached each phase (`AllReduceResult.phases`). The bound is what the butterfly must move
 through each member's link: 2(N−1)/N · bytes, at the speed of a raw loopback TCP transfer of the same
-bytes between two processes, sampled beside each round.
+bytes between two processes, sampled beside each round. The top-k wire (`--wire-dtype topk`, the
+default density) sends each contribution to every member instead ((N − 1) images of Δ per member:
+`allreduce.py`); its bytes per member are measured against fp32's in the same run.
 
 `--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, the
 plain mean) in the same run: `robust` (the robust outer step of an honest round: the norm screen, the
@@ -43,7 +45,7 @@ from swarmnode.core.presets import preset
 from swarmnode.net.identity import Identity
 from swarmnode.swarm.averaging.allreduce import GroupSpec
 from swarmnode.swarm.averaging.codecs import encoded_size
-from swarmnode.swarm.averaging.wire import WIRE_DTYPES, Member
+from swarmnode.swarm.averaging.wire import WIRE_DTYPES, Member, is_sparse
 from swarmnode.util.errors import ConfigError
 
 WORKER_START_S = 120.0
@@ -113,7 +115,20 @@ def bench_allreduce(preset_name: str, nodes: int = 4, rounds: int = 5, trust: bo
     for wire_dtype in WIRE_DTYPES:
         _report(result, wire_dtype, encoded_size(wire_dtype, numel), nodes, samples[wire_dtype])
     _report_anchor(result, samples)
+    _report_sent(result, samples)
     return result
+
+
+def _report_sent(result: BenchResult, samples: dict[str, list[dict[str, Any]]]) -> None:
+    """Bytes each member sent in fp32 against every other wire dtype, measured in the same run."""
+
+    def sent(wire_dtype: str) -> float:
+        last = samples[wire_dtype][-1]["replies"]
+        return sum(reply["bytes_sent"] for reply in last) / len(last)
+
+    for wire_dtype in WIRE_DTYPES[1:]:
+        target = "target ≥ 100" if is_sparse(wire_dtype) else ""
+        result.ratio(f"bytes sent per member, fp32 / {wire_dtype}", sent("fp32") / sent(wire_dtype), target)
 
 
 def _butterfly_members(
@@ -172,7 +187,8 @@ def _one_round(
 def _report(
     result: BenchResult, wire_dtype: str, size: int, nodes: int, samples: list[dict[str, Any]]
 ) -> None:
-    share = 2 * (nodes - 1) / nodes
+    # The top-k wire relays each contribution to every member: (N − 1) images, not 2(N − 1)/N.
+    share = (nodes - 1) if is_sparse(wire_dtype) else 2 * (nodes - 1) / nodes
     seconds = [max(reply["seconds"] for reply in sample["replies"]) for sample in samples]
     bound = share * min(sample["raw"] for sample in samples)
     coverage = min(reply["coverage"] for sample in samples for reply in sample["replies"])
@@ -192,7 +208,9 @@ def _report(
         "GB/s",
         f"{size / 1e6:.1f} MB; butterfly bound {bound * 1e3:.1f} ms",
     )
-    result.add(f"bytes sent per member, {wire_dtype}", sent / (share * size), "x bound", "2(N-1)/N x bytes")
+    bound_note = "(N-1) x bytes" if is_sparse(wire_dtype) else "2(N-1)/N x bytes"
+    result.add(f"bytes sent per member, {wire_dtype}", sent / (share * size), "x bound", bound_note)
+    result.add(f"bytes sent per member, {wire_dtype} (MB)", sent / 1e6, "MB", "measured, last round")
     result.ratio(f"all-reduce {wire_dtype} / butterfly bound", median(seconds) / bound, "medians")
 
 

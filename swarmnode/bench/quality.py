@@ -6,8 +6,10 @@ per worker (`quality_sim.py` simulates the three sides), with a sweep of their s
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from swarmnode.bench import quality_sim
 from swarmnode.bench.quality_sim import (
     DEFAULT_INNER_STEPS,
     DEFAULT_ROUNDS,
@@ -32,12 +34,14 @@ def bench_quality(
     sweep: bool = False,
     swarm: bool = False,
     variants: bool = False,
+    topk_sweep: Sequence[float] | None = None,
 ) -> BenchResult:
     """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
     `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget; `--swarm`
     runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`); `--variants` adds
     the overlapped outer step, the int4 wire and `--fragments FRAGMENTS` beside blocking DiLoCo, same
-    learning rates."""
+    learning rates; `--topk-sweep D,…` runs blocking DiLoCo fp32 against the top-k wire at each density
+    instead (and `--plot` draws those curves)."""
     if plot is not None and not plot.endswith(".png"):
         raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
     setup = Setup(
@@ -47,6 +51,16 @@ def bench_quality(
         rounds or DEFAULT_ROUNDS,
     )
     result = BenchResult("quality", preset_name)
+    if topk_sweep:
+        with tempfile.TemporaryDirectory() as tmp:
+            base, curves = quality_sim.topk_sweep(setup, topk_sweep, Path(tmp))
+        quality_sim.report_topk_sweep(result, base, curves)
+        if plot is not None:
+            from swarmnode.bench.quality_plot import plot_curves
+
+            plot_curves([base, *curves], Path(plot), "top-k density sweep")
+            result.add("plot", len(curves) + 1, "series", plot)
+        return result
     if swarm:
         with tempfile.TemporaryDirectory() as tmp:
             bench_swarm(result, setup, Path(tmp))

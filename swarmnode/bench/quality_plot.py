@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from swarmnode.bench.plotting import new_figure, save_png
-from swarmnode.bench.quality_sim import Comparison
+from swarmnode.bench.quality_sim import Comparison, Curve
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> list[str]:
@@ -23,6 +23,21 @@ def plot_comparison(comparison: Comparison, path: Path) -> list[str]:
     title = f"{d.model}: {d.workers} workers, H={d.inner_steps}, {d.rounds} rounds, outer lr {d.outer_lr:g}"
     ax.set_title(title)
     ax.set_ylim(top=min(max(c.losses[1] for c in comparison.curves()) + 0.2, max(comparison.single.losses)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_png(figure, path)
+
+
+def plot_curves(curves: list[Curve], path: Path, title: str) -> list[str]:
+    """Draws any curves into `path` (PNG) from their second point on; returns their labels."""
+    figure, ax = new_figure()
+    for curve in curves:
+        tokens = [t / 1e6 for t in curve.tokens[1:]]
+        ax.plot(tokens, curve.losses[1:], label=curve.label, marker=".", markersize=3)
+    ax.set_xlabel("tokens per worker (millions)")
+    ax.set_ylabel("held-out loss (nats/token)")
+    d = curves[0].job
+    ax.set_title(f"{title}: {d.model}, {d.workers} workers, H={d.inner_steps}, {d.rounds} rounds")
     ax.grid(alpha=0.3)
     ax.legend()
     return save_png(figure, path)

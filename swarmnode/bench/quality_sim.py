@@ -23,7 +23,9 @@ average through the 4-bit wire codec, as the butterfly sends them, and `fragment
 FRAGMENTS` as a node runs it (`core/fragments.py`, the same plan and outer step as `TrainingRun`):
 R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; and `robust`, every
 round's average through the node's robust outer step (screen and CenteredClip,
-`swarm/averaging/aggregation.py`): its honest cost.
+`swarm/averaging/aggregation.py`): its honest cost; and `topk`, SparseLoCo's outer step
+(`DilocoConfig.topk`: error feedback, chunk-wise top-k with 2-bit values at `topk_density`, α = 1,
+no momentum), each ĉ through the top-k wire codec; `topk_robust`, the same through the robust outer step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 
 from swarmnode.bench.procs import Worker
 from swarmnode.bench.runner import BenchResult
+from swarmnode.core import sparse
 from swarmnode.core.data import Batch, Corpus, ShardLoader, default_corpus
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer
 from swarmnode.core.fragments import FragmentPlan, round_steps
@@ -88,9 +91,14 @@ class Side(StrEnum):
     INT4 = "int4"
     FRAGMENTS = "fragments"
     ROBUST = "robust"
+    TOPK = "topk"
+    TOPK_ROBUST = "topk_robust"
 
 
-VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST)
+VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK, Side.TOPK_ROBUST)
+_TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST)
+TOPK_OUTER_LR = 1.0
+"""SparseLoCo's outer step: θ_g ← θ_g − α·mean(ĉ), α = 1, no momentum (the error feedback is it)."""
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",
@@ -99,6 +107,8 @@ LABELS = {
     Side.INT4: "DiLoCo, int4 wire",
     Side.FRAGMENTS: f"DiLoCo, {FRAGMENTS} fragments",
     Side.ROBUST: "DiLoCo, robust outer step",
+    Side.TOPK: "SparseLoCo, top-k wire",
+    Side.TOPK_ROBUST: "SparseLoCo, robust outer step",
 }
 
 
@@ -120,6 +130,8 @@ class SideJob:
     heldout_batches: int = HELDOUT_BATCHES
     final_fraction: float = DEFAULT_FINAL_FRACTION
     """Where every side's cosine ends, as a fraction of its peak (`InnerSchedule.final_fraction`)."""
+    topk_density: float = sparse.DEFAULT_DENSITY
+    """`Side.TOPK`: the kept share of Δ's entries (`core/sparse.py`)."""
 
     @property
     def total_steps(self) -> int:
@@ -156,6 +168,8 @@ class Curve:
 
     @property
     def label(self) -> str:
+        if self.job.side in _TOPK_SIDES:
+            return f"{LABELS[self.job.side]} {self.job.topk_density:.1%}"
         return LABELS[self.job.side].format(w=self.job.workers)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +209,8 @@ def train_side(job: SideJob) -> Curve:
         Side.INT4: _diloco_rounds,
         Side.FRAGMENTS: _fragment_rounds,
         Side.ROBUST: _diloco_rounds,
+        Side.TOPK: _diloco_rounds,
+        Side.TOPK_ROBUST: _diloco_rounds,
     }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
@@ -213,12 +229,14 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
     """A fresh trainer; every one starts from the same weights (seed 0), like a run's nodes."""
     spec = load_model_spec(job.model, corpus.vocab_size)  # a preset, or an hf:/py: model
     model = spec.build(0, torch.device("cpu"))
+    topk = sparse.kept_per_chunk(job.topk_density) if job.side in _TOPK_SIDES else 0
     cfg = DilocoConfig(
         inner_lr=job.lr,
         schedule=job.schedule,
-        outer_lr=job.outer_lr,
-        outer_momentum=job.outer_momentum,
-        outer_mix=job.outer_mix,
+        outer_lr=TOPK_OUTER_LR if topk else job.outer_lr,
+        outer_momentum=0.0 if topk else job.outer_momentum,
+        outer_mix=0.0 if topk else job.outer_mix,
+        topk=topk,
     )
     return DilocoTrainer(model, cfg, torch.device("cpu"), spec.loss)
 
@@ -229,7 +247,8 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
     average lands `OVERLAP_SHARE`·H inner steps into the next round (the last one after the last)."""
     trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
     loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
-    wire = "int4" if job.side == Side.INT4 else "fp32"
+    topk_wire = sparse.wire_name(trainers[0].cfg.topk or 1)
+    wire = {Side.INT4: "int4", Side.TOPK: topk_wire, Side.TOPK_ROBUST: topk_wire}.get(job.side, "fp32")
     overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side == Side.OVERLAP else 0
     pending: AveragedDelta | None = None
     yield trainers[0], True
@@ -246,7 +265,7 @@ def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
             for _ in range(job.inner_steps - early):
                 trainer.inner_step(shard_loader.next_batch())
         deltas = [t.pseudo_gradient().clone() for t in trainers]
-        averaged = group_average(deltas, wire, robust=job.side == Side.ROBUST)
+        averaged = group_average(deltas, wire, robust=job.side in (Side.ROBUST, Side.TOPK_ROBUST))
         if overlap:
             pending = averaged
             continue
@@ -422,6 +441,27 @@ def report(result: BenchResult, comparison: Comparison, label: str = "quality") 
     result.ratio("DiLoCo share of DP's gain over one worker", comparison.gain_kept, "target ≥ 0.75")
     result.ratio("sync DP bytes / DiLoCo bytes", comparison.bytes_ratio, "target ≥ 100")
     result.series[label] = [curve.to_dict() for curve in comparison.curves()]
+
+
+def topk_sweep(setup: Setup, densities: Sequence[float], log_dir: Path) -> tuple[Curve, list[Curve]]:
+    """Blocking DiLoCo (fp32) and the top-k wire at each density, same learning rates and tokens, and
+    the top-k wire through the robust outer step at the default density (its honest cost)."""
+    base = setup.job(Side.DILOCO)
+    jobs = [base, *(replace(base, side=Side.TOPK, topk_density=d) for d in densities)]
+    jobs.append(replace(base, side=Side.TOPK_ROBUST, topk_density=sparse.DEFAULT_DENSITY))
+    curves = run_jobs(jobs, log_dir)
+    return curves[0], curves[1:]
+
+
+def report_topk_sweep(result: BenchResult, base: Curve, curves: Sequence[Curve]) -> None:
+    result.add(f"quality: {base.label} held-out loss", base.final, "nats", f"{base.seconds:.0f} s")
+    for curve in curves:
+        d = curve.job.topk_density
+        note = f"{curve.seconds:.0f} s"
+        name = f"top-k {d:g}" + (", robust" if curve.job.side == Side.TOPK_ROBUST else "")
+        result.add(f"quality: {name} held-out loss", curve.final, "nats", note)
+        result.ratio(f"{name} loss / DiLoCo fp32 loss", curve.final / base.final, "target ≤ 1.01")
+    result.series["topk sweep"] = [c.to_dict() for c in (base, *curves)]
 
 
 def report_variants(result: BenchResult, comparison: Comparison, log_dir: Path) -> None:

@@ -65,6 +65,8 @@ KNOBS = (
     "input_gb",
     "device",
     "precision",
+    "topk_sweep",
+    "wire_dtype",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""
 

@@ -23,6 +23,8 @@ Per round, means over the nodes:
   receives (N−1)/N of Δ in each of its two phases over its own capped link, and the measured
   all-reduce against it.
 Ratios: round wall / inner phase for each mode, and overlap's round wall / blocking's.
+`--wire-dtype topk` instead runs the top-k wire, int4 and bf16, each blocking, and gives each one's
+round wall / inner phase (its own inner phase: the same H, no traffic during it).
 Root only (namespaces): without it the bench refuses with one line (exit 2).
 """
 
@@ -74,11 +76,20 @@ def bench_wan(
     mbit: float = 50.0,
     rounds: int = 4,
     inner_steps: int | None = None,
+    wire_dtype: str | None = None,
 ) -> BenchResult:
+    """`--wire-dtype topk`: the top-k wire, int4 and bf16, each blocking, in the same run (`bench_wires`);
+    otherwise bf16 blocking against `--overlap on`."""
     if nodes < 2:
         raise ConfigError(f"--nodes: bench wan needs at least 2 nodes, got {nodes}")
     netbed.require_bed("bench wan", mbit)
     steps = inner_steps or DEFAULT_INNER_STEPS.get(preset_name, 30)
+    if wire_dtype == "topk":
+        return bench_wires(preset_name, nodes, mbit, rounds, steps)
+    if wire_dtype not in (None, WIRE):
+        raise ConfigError(
+            f"--wire-dtype: bench wan takes topk (against int4 and bf16) or bf16, got {wire_dtype}"
+        )
     n_values = _parameters(preset_name)
     delta_bytes = codecs.encoded_size(WIRE, n_values)
     bound_s = 2 * (nodes - 1) / nodes * delta_bytes * 8 / (mbit * 1e6)
@@ -133,11 +144,49 @@ def bench_wan(
     return result
 
 
+TOPK_COMPARED = ("topk", "int4", "bf16")
+
+
+def bench_wires(preset_name: str, nodes: int, mbit: float, rounds: int, steps: int) -> BenchResult:
+    """The top-k wire, int4 and bf16 on the same bed, each with the blocking outer step: each one's
+    round wall against its own inner phase (the same H; the inner phase carries no traffic)."""
+    n_values = _parameters(preset_name)
+    result = BenchResult("wan", preset_name)
+    result.add("nodes × link cap", nodes, "nodes", f"{mbit:g} Mbit/s each way per node (tc tbf, no latency)")
+    result.add("inner steps per round (H)", steps, "steps", f"{n_values} parameters, blocking outer step")
+    measured = {}
+    for index, wire_dtype in enumerate(TOPK_COMPARED):
+        m = _measure(preset_name, nodes, mbit, rounds, steps, "off", wire_dtype, index)
+        measured[wire_dtype] = m
+        tag = f"{wire_dtype}:"
+        result.add(f"{tag} Δ on the wire", codecs.encoded_size(wire_dtype, n_values) / 1e6, "MB")
+        result.add(f"{tag} inner phase per round", m.inner_s, "s")
+        result.add(
+            f"{tag} all-reduce per round",
+            m.allreduce_s,
+            "s",
+            " ".join(f"{x:.2f}" for x in m.per_round_allreduce_s),
+        )
+        result.add(f"{tag} round wall", m.round_wall_s, "s", " ".join(f"{x:.2f}" for x in m.per_round_wall_s))
+        result.add(f"{tag} bytes sent per node per round", m.bytes_per_node / 1e6, "MB")
+    result.add("load", os.getloadavg()[0], "", load_note())
+    for wire_dtype, m in measured.items():
+        target = "target ≤ 1.05" if wire_dtype == "topk" else ""
+        result.ratio(f"{wire_dtype}: round wall / inner phase", m.round_wall_s / m.inner_s, target)
+    result.series = {
+        w: {"rounds": m.rounds, "round_wall_s": m.per_round_wall_s, "allreduce_s": m.per_round_allreduce_s}
+        for w, m in measured.items()
+    }
+    return result
+
+
 def _parameters(preset_name: str) -> int:
     return count_parameters(GPT(preset(preset_name, default_corpus().vocab_size)))
 
 
-def _node_args(preset_name: str, count: int, index: int, steps: int, overlap: str, host: str) -> list[str]:
+def _node_args(
+    preset_name: str, count: int, index: int, steps: int, overlap: str, host: str, wire_dtype: str = WIRE
+) -> list[str]:
     return [
         *("--host", host, "--model", preset_name, "--threads", "1", "--seq-len", "64", "--batch-size", "4"),
         *(
@@ -150,15 +199,33 @@ def _node_args(preset_name: str, count: int, index: int, steps: int, overlap: st
             "--cold-every",
             "100000",
         ),
-        *("--num-shards", str(count), "--shard", str(index), "--wire-dtype", WIRE, "--overlap", overlap),
+        *(
+            "--num-shards",
+            str(count),
+            "--shard",
+            str(index),
+            "--wire-dtype",
+            wire_dtype,
+            "--overlap",
+            overlap,
+        ),
         *("--matchmaking-timeout", "15", "--allreduce-timeout", "180", "--wait-peers", str(count - 1)),
-        *("--run-id", f"bench-wan-{count}-{overlap}", "--seed", "1"),
+        *("--run-id", f"bench-wan-{count}-{overlap}-{wire_dtype}", "--seed", "1"),
     ]
 
 
-def _measure(preset_name: str, count: int, mbit: float, rounds: int, steps: int, overlap: str) -> Rounds:
+def _measure(
+    preset_name: str,
+    count: int,
+    mbit: float,
+    rounds: int,
+    steps: int,
+    overlap: str,
+    wire_dtype: str = WIRE,
+    index: int = 0,
+) -> Rounds:
     net = 100 + os.getpid() % 100
-    subnet = f"10.{net}.{60 + (overlap == 'on')}"
+    subnet = f"10.{net}.{60 + (overlap == 'on') + 2 * index}"
     with NetBed() as bed, tempfile.TemporaryDirectory(prefix="swarmnode-bench-wan-") as tmp:
         wan = bed.bridge(f"{subnet}.0/24")
         spaces = []
@@ -169,7 +236,7 @@ def _measure(preset_name: str, count: int, mbit: float, rounds: int, steps: int,
         procs: list[NodeProcess] = []
         try:
             for i, (ns, host) in enumerate(spaces):
-                args = _node_args(preset_name, count, i, steps, overlap, host)
+                args = _node_args(preset_name, count, i, steps, overlap, host, wire_dtype)
                 if procs:
                     args += ["--peers", f"{spaces[0][1]}:{procs[0].info['dht_port']}"]
                 procs.append(NodeProcess(Path(tmp) / f"n{i}", args, prefix=ns.prefix).start())

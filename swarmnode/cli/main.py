@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from swarmnode.cli.data import add_data_parser
 from swarmnode.core.model_choice import check_model_choice
 from swarmnode.node.config import FLAG_BY_FIELD, RUN_USAGE, build_run_parser, load_config, parse_flag
+from swarmnode.swarm.averaging.wire import WIRE_DTYPES
 from swarmnode.util import faults, threads
 from swarmnode.util.errors import ConfigError, RankFailed, StateNotSaved
 
@@ -204,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality: also the overlapped outer step, the int4 wire and 4 fragments, against blocking",
     )
     bench.add_argument(
+        "--topk-sweep",
+        type=_densities,
+        metavar="D[,D…]",
+        help="quality: blocking DiLoCo fp32 against the top-k wire at each density (e.g. 0.005,0.01,0.03)",
+    )
+    bench.add_argument(
+        "--wire-dtype",
+        choices=WIRE_DTYPES,
+        help="wan: the nodes' --wire-dtype (default bf16); topk also measures int4 and bf16, blocking",
+    )
+    bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"
     )
     bench.add_argument(
@@ -247,6 +259,17 @@ def _add_identity_parser(sub: Any) -> None:
         metavar="HOST",
         help="a host name or address peers dial, as a subject alternative name (repeatable)",
     )
+
+
+def _densities(text: str) -> tuple[float, ...]:
+    """`--topk-sweep`: comma-separated densities in (0, 1]."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected densities in (0, 1] like 0.005,0.01,0.03, got {text!r}")
+    return values
 
 
 def _counts(text: str) -> tuple[int, ...]:

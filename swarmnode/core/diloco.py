@@ -6,6 +6,10 @@ local model θ. The inner phase runs AdamW on θ. The pseudo-gradient is Δ = θ
 (`rounds.SwarmRounds`), and the outer step is SGD with Nesterov momentum on θ_g with the average as its
 gradient; then θ ← θ_g. The inner optimizer's state stays with the worker across rounds.
 
+With a top-k wire (`topk` > 0) the outer step is SparseLoCo's (Sarfi et al. 2025, arXiv 2508.15706):
+each worker keeps an error-feedback buffer e, e ← β·e + Δ, sends ĉ = Q(TopK(e)) (`core/sparse.py`) and
+keeps e ← e − ĉ; θ_g ← θ_g − α·mean(ĉ), with no outer momentum (e plays its part); then θ ← θ_g.
+
 Averaging may cover only parts of Δ (a peer died): on an uncovered range nobody moves θ_g or its momentum,
 and the worker keeps its local progress there, so its next Δ still carries that work. The whole training
 state is exposed as a flat dict of named tensors plus JSON metadata, which is what snapshots store.
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmnode.core import sparse
 from swarmnode.core.data import Batch
 from swarmnode.core.model import next_token_loss
 from swarmnode.core.precision import MixedPrecision, Precision
@@ -68,10 +73,19 @@ class DilocoConfig:
 
     precision: Precision = Precision.FP32
     """The inner step's autocast dtype (`precision.py`); fp32 keeps every run's digest as it was."""
+    topk: int = 0
+    """k of the top-k wire (entries kept per chunk of `sparse.CHUNK`; `pseudo_gradient` then returns
+    the compressed error feedback, and `outer_step` is SparseLoCo's); 0: dense DiLoCo."""
+    ef_decay: float = 0.95
+    """β of the error feedback, e ← β·e + Δ (top-k only)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.outer_mix < 1:
             raise ValueError(f"outer mix must be in [0, 1), got {self.outer_mix}")
+        if not 0 <= self.topk <= sparse.CHUNK or not 0 <= self.ef_decay <= 1:
+            raise ValueError(f"top-k in [0, {sparse.CHUNK}] and β in [0, 1]: {self.topk}, {self.ef_decay}")
+        if self.topk and self.fragments != 1:
+            raise ValueError("the top-k wire takes all of Δ each round: it does not combine with fragments")
 
 
 @dataclass(frozen=True)
@@ -232,6 +246,11 @@ class DilocoTrainer(InnerTrainer):
         (docs/design.md "Where the outer step runs")."""
         self._copy_local_to(self.global_flat)
         self._global_digest: str | None = None
+        self.error_feedback = torch.zeros(total if cfg.topk else 0, dtype=torch.float32)
+        """e of the top-k wire: what this node has not sent yet (node-specific, like the RNG)."""
+        self._ef_round = torch.empty_like(self.error_feedback)
+        """β·e + Δ of the round being averaged; e takes it (less what was delivered) at its outer step."""
+        self._sent = torch.empty_like(self.error_feedback)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch], use_global: bool = True) -> float:
@@ -257,7 +276,16 @@ class DilocoTrainer(InnerTrainer):
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_g − θ as a flat fp32 CPU tensor (a reused buffer: valid until the next call). On a GPU
-        Δ is computed there, in the exchange buffer (θ_g copied up once), and copied down once."""
+        Δ is computed there, in the exchange buffer (θ_g copied up once), and copied down once. With
+        a top-k wire: ĉ = Q(TopK(β·e + Δ)), what this node sends (e itself changes at the outer step,
+        so a round that is held and prepared again counts Δ once)."""
+        delta = self._dense_delta()
+        if not self.cfg.topk:
+            return delta
+        torch.add(delta, self.error_feedback, alpha=self.cfg.ef_decay, out=self._ef_round)
+        return sparse.compress(self._ef_round, self.cfg.topk, out=self._sent)
+
+    def _dense_delta(self) -> torch.Tensor:
         exchange = self._exchange
         if exchange is None:
             self._copy_local_to(self._delta)
@@ -276,7 +304,10 @@ class DilocoTrainer(InnerTrainer):
         nesterov=True, dampening 0), then the merge θ ← α·θ + (1 − α)·θ_g' there (α = `outer_mix`;
         0: θ ← θ_g', bit for bit) — except on `carried` ranges, where θ ← θ_g' − Δ (Δ: this round's
         `pseudo_gradient()`), so the work the average left out stays in the next Δ; uncovered ranges
-        keep θ and θ_g as they are."""
+        keep θ and θ_g as they are. With a top-k wire: `_sparse_outer_step`."""
+        if self.cfg.topk:
+            self._sparse_outer_step(averaged)
+            return
         self.outer_step_on_global(averaged)
         for a, b in averaged.covered:
             target = self._merged(a, b, self._local_range(a, b) if self.cfg.outer_mix else None)
@@ -298,6 +329,7 @@ class DilocoTrainer(InnerTrainer):
             θ unchanged                     elsewhere (θ_g' = θ_g there).
         With δ = 0 this is `outer_step` (to rounding). δ's batches are the next round's: its Δ carries
         them whole."""
+        assert not self.cfg.topk, "the top-k wire's outer step is blocking"
         olds = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
         for (a, b), old in zip(averaged.covered, olds, strict=True):
@@ -306,6 +338,21 @@ class DilocoTrainer(InnerTrainer):
             for lo, hi in _overlaps(a, b, averaged.carried):
                 shift[lo - a : hi - a] = self.global_flat[lo:hi] - old[lo - a : hi - a]
             self._set_local(self._local_range(a, b).add_(shift), a)
+
+    def _sparse_outer_step(self, averaged: AveragedDelta) -> None:
+        """SparseLoCo's step: θ_g ← θ_g − α·mean(ĉ) on the covered ranges; e ← β·e + Δ − ĉ where the
+        average holds this node's ĉ, e ← β·e + Δ elsewhere (uncovered or carried: nothing of this
+        round's Δ was delivered there, so all of it waits in e); then θ ← θ_g' everywhere (the local
+        progress lives in e, not in θ)."""
+        for a, b in averaged.covered:
+            self.global_flat[a:b].add_(averaged.delta[a:b], alpha=-self.cfg.outer_lr)
+        self._global_digest = None
+        self.error_feedback.copy_(self._ef_round)
+        for a, b in averaged.covered:
+            delivered = [(a, b)] if not averaged.carried else _outside(a, b, averaged.carried)
+            for lo, hi in delivered:
+                self.error_feedback[lo:hi].sub_(self._sent[lo:hi])
+        self._set_local(self.global_flat, 0)
 
     def _merged(self, a: int, b: int, local: torch.Tensor | None) -> torch.Tensor:
         """α·θ + (1 − α)·θ_g' on [a, b) as a new tensor (`local`: θ there; None: α = 0, θ_g' itself)."""
@@ -383,6 +430,10 @@ class DilocoTrainer(InnerTrainer):
                 tensors[f"{prefix}/{slot.name}"] = flat[slot.offset : slot.offset + slot.numel].view(
                     slot.shape
                 )
+        if self.cfg.topk:
+            for slot in self.slots:
+                ef = self.error_feedback[slot.offset : slot.offset + slot.numel]
+                tensors[f"{EF_PREFIX}{slot.name}"] = ef.view(slot.shape)
         tensors.update(rng_state_tensors())
         return tensors
 
@@ -411,13 +462,16 @@ class DilocoTrainer(InnerTrainer):
     def load_state(
         self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], restore_rng: bool = True
     ) -> None:
-        """Restore from tensors named as by `state_tensors()` (shapes already checked by the reader)."""
+        """Restore from tensors named as by `state_tensors()` (shapes already checked by the reader).
+        `restore_rng` False (a peer's snapshot): this node's own state — its RNG and its error feedback —
+        stays as it is here (docs/design.md "Top-k wire": a peer's unsent residual is not ours)."""
         live = self.state_tensors()
         missing = sorted(set(live) - set(tensors))
         if missing:
             raise ValueError(f"snapshot lacks {len(missing)} tensors, e.g. {missing[0]!r}")
         for name, target in live.items():
-            if not name.startswith("rng/"):
+            own = name.startswith("rng/") or name.startswith(EF_PREFIX)
+            if not own or (restore_rng and not name.startswith("rng/")):
                 target.copy_(tensors[name])
         self._global_digest = None
         self.set_adam_step(int(metadata["adam_step"]))
@@ -425,6 +479,22 @@ class DilocoTrainer(InnerTrainer):
         self.precision.load_state(metadata)
         if restore_rng:
             restore_rng_state(tensors)
+
+
+EF_PREFIX = "error_feedback/"
+"""Snapshot names of the top-k wire's error feedback, one tensor per parameter."""
+
+
+def _outside(a: int, b: int, ranges: Sequence[Range]) -> list[Range]:
+    """The parts of [a, b) outside sorted, disjoint `ranges`."""
+    gaps, lo = [], a
+    for c, d in _overlaps(a, b, ranges):
+        if lo < c:
+            gaps.append((lo, c))
+        lo = d
+    if lo < b:
+        gaps.append((lo, b))
+    return gaps
 
 
 def _overlaps(a: int, b: int, ranges: Sequence[Range]) -> list[Range]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from swarmnode.core import sparse
 from swarmnode.core.data import Corpus, ShardLoader
 from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, Range
 from swarmnode.core.fragments import FragmentPlan
@@ -168,6 +169,9 @@ def run_settings(
         agreed["round_tokens"] = diloco.round_tokens
     if diloco.outer_mix:  # (absent at 0, DiLoCo's own θ ← θ_g, so such runs keep their digest)
         agreed["outer_mix"] = diloco.outer_mix
+    if diloco.topk:  # (absent for a dense wire: its maths is DiLoCo's whatever the wire dtype)
+        agreed["wire"] = sparse.wire_name(diloco.topk)
+        agreed["ef_decay"] = diloco.ef_decay
     if diloco.precision != "fp32":  # (absent at fp32, so runs from before --precision keep their digest)
         agreed["precision"] = str(diloco.precision)
     return agreed

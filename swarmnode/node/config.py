@@ -18,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from swarmnode.core import sparse
 from swarmnode.core.device_choice import PRECISION_CHOICES, check_device_choice
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.model_choice import check_model_choice
@@ -30,6 +31,11 @@ from swarmnode.swarm.averaging.matchmaking import DEFAULT_GROUP_SIZE
 from swarmnode.swarm.averaging.trust import DEFAULT_MAX_NORM_RATIO
 from swarmnode.swarm.averaging.wire import MAX_TIMEOUT_S, WIRE_DTYPES
 from swarmnode.util.errors import ConfigError
+
+DILOCO_OUTER_LR = 0.7
+"""DiLoCo's outer learning rate (Douillard et al. 2023)."""
+TOPK_OUTER_LR = 1.0
+"""α of SparseLoCo's outer step θ_g ← θ_g − α·mean(ĉ) (Sarfi et al. 2025)."""
 
 LOG_FORMATS = ("text", "json")
 REACHABLE_SETTINGS = ("auto", "yes", "no")
@@ -62,7 +68,7 @@ class NodeConfig:
     inner_warmup_steps: int = 0
     total_steps: int | None = None
     final_lr_fraction: float = DEFAULT_FINAL_FRACTION
-    outer_lr: float = 0.7
+    outer_lr: float | None = None
     outer_momentum: float = 0.9
     outer_mix: float = 0.3
     batch_size: int = 8
@@ -91,6 +97,8 @@ class NodeConfig:
     allreduce_timeout_s: float = 30.0
     max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
     wire_dtype: str = "bf16"
+    topk_density: float = sparse.DEFAULT_DENSITY
+    ef_decay: float = 0.95
     min_coverage: float = 0.5
     reachable: str = "auto"
     group_size: int = DEFAULT_GROUP_SIZE
@@ -133,6 +141,23 @@ class NodeConfig:
             raise ConfigError(
                 f"--total-steps: must exceed --inner-warmup-steps ({self.inner_warmup_steps}), got {total}"
             ) from None
+
+    @property
+    def topk(self) -> int:
+        """k of the top-k wire (`core/sparse.py`); 0 for a dense wire dtype."""
+        return sparse.kept_per_chunk(self.topk_density) if self.wire_dtype == "topk" else 0
+
+    @property
+    def group_wire_dtype(self) -> str:
+        """The wire dtype as groups name it: `topk<k>` for the top-k wire."""
+        return sparse.wire_name(self.topk) if self.topk else self.wire_dtype
+
+    @property
+    def outer_step_lr(self) -> float:
+        """--outer-lr, else the outer step's own default: DiLoCo's 0.7, SparseLoCo's α = 1 (top-k)."""
+        if self.outer_lr is not None:
+            return self.outer_lr
+        return TOPK_OUTER_LR if self.topk else DILOCO_OUTER_LR
 
     @property
     def round_tokens(self) -> int:
@@ -186,6 +211,10 @@ def _check_combinations(cfg: NodeConfig) -> None:
     if not cfg.max_norm_ratio > 1:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     _check_port_clashes(cfg)
+    if cfg.topk and (cfg.overlap == "on" or cfg.fragments > 1):
+        raise ConfigError(
+            "--wire-dtype topk: its outer step is blocking over all of Δ (no --overlap, no --fragments)"
+        )
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)
@@ -207,6 +236,8 @@ def _check_ranks(cfg: NodeConfig) -> None:
         raise ConfigError(f"--nproc-per-node: not built with --overlap on yet, got {cfg.nproc_per_node}")
     if cfg.fragments != 1:
         raise ConfigError(f"--nproc-per-node: not built with --fragments yet, got {cfg.nproc_per_node}")
+    if cfg.topk:
+        raise ConfigError(f"--nproc-per-node: not built with --wire-dtype topk yet, got {cfg.nproc_per_node}")
     if cfg.device.startswith("cuda:"):
         raise ConfigError(
             f"--nproc-per-node: rank k trains on GPU k; give --device cuda (or auto), not {cfg.device!r}"
@@ -388,7 +419,7 @@ FLAGS: tuple[Flag, ...] = (
             "Rank 0 is the node's own process (the DHT, gRPC, the all-reduce, the outer step, snapshots); "
             "ranks 1..N−1 are its children, each with its own batch every step, gradients averaged "
             "across the ranks. The node's weight in a round is its ranks' tokens; every rank's cursor is "
-            "in its snapshots. Not with `--overlap on` or `--fragments` yet. "
+            "in its snapshots. Not with `--overlap on`, `--fragments` or `--wire-dtype topk` yet. "
             'docs/design.md "Many GPUs in one node".'
         ),
         group=FlagGroup.TRAINING,
@@ -465,9 +496,18 @@ FLAGS: tuple[Flag, ...] = (
         group=FlagGroup.TRAINING,
     ),
     Flag(
-        "outer_lr", flag_values.positive_float, "outer SGD (Nesterov) learning rate", group=FlagGroup.TRAINING
+        "outer_lr",
+        flag_values.positive_float,
+        "outer learning rate: DiLoCo's Nesterov SGD, or α of the top-k wire's θ_g ← θ_g − α·mean(ĉ)",
+        details=f"Default {DILOCO_OUTER_LR} (DiLoCo), {TOPK_OUTER_LR} with `--wire-dtype topk` (SparseLoCo).",
+        group=FlagGroup.TRAINING,
     ),
-    Flag("outer_momentum", flag_values.fraction, "outer Nesterov momentum", group=FlagGroup.TRAINING),
+    Flag(
+        "outer_momentum",
+        flag_values.fraction,
+        "outer Nesterov momentum (not used by the top-k wire: its error feedback takes that part)",
+        group=FlagGroup.TRAINING,
+    ),
     Flag(
         "outer_mix",
         flag_values.mix,
@@ -622,6 +662,25 @@ FLAGS: tuple[Flag, ...] = (
         flag_values.choice(WIRE_DTYPES),
         "dtype of pseudo-gradients on the wire",
         choices=WIRE_DTYPES,
+        group=FlagGroup.SWARM,
+    ),
+    Flag(
+        "topk_density",
+        flag_values.density,
+        "with --wire-dtype topk: the share of the pseudo-gradient's entries sent each round",
+        metavar="SHARE",
+        details=(
+            "In (0, 1]; every member of a run must use the same (it enters the run digest). "
+            "The default 1% is about the most that sends 100× fewer bytes than fp32 in a group of 4 "
+            '(docs/benchmarks.md "Top-k wire").'
+        ),
+        group=FlagGroup.SWARM,
+    ),
+    Flag(
+        "ef_decay",
+        flag_values.fraction,
+        "with --wire-dtype topk: β of the error feedback e ← β·e + Δ (what was not sent, decayed each round)",
+        metavar="BETA",
         group=FlagGroup.SWARM,
     ),
     Flag(

@@ -141,12 +141,14 @@ def _diloco_config(cfg: NodeConfig, checked: StartChecks) -> DilocoConfig:
     return DilocoConfig(
         inner_lr=cfg.inner_lr,
         schedule=cfg.inner_schedule,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        outer_mix=cfg.outer_mix,
+        outer_lr=cfg.outer_step_lr,
+        outer_momentum=0.0 if cfg.topk else cfg.outer_momentum,  # SparseLoCo: e is the momentum
+        outer_mix=0.0 if cfg.topk else cfg.outer_mix,  # (its local progress lives in e, not in θ)
         fragments=cfg.fragments,
         round_tokens=cfg.round_tokens,
         precision=checked.precision,
+        topk=cfg.topk,
+        ef_decay=cfg.ef_decay,
     )
 
 

@@ -72,6 +72,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def density(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError("must be above 0 and at most 1")
+    return value
+
+
 def mix(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:

@@ -198,7 +198,7 @@ def _matchmaker(
         address,
         dht_run,
         run_digest,
-        cfg.wire_dtype,
+        cfg.group_wire_dtype,
         cfg.matchmaking_timeout_s,
         cfg.allreduce_timeout_s,
         functools.partial(propose_group, channels=channels, trust=trust),

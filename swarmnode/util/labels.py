@@ -117,6 +117,9 @@ class AveragingReject(StrEnum):
     NOT_OFFERED = "not_offered"
     """A proposal naming a member without a signed offer for the round that says just that."""
     OVER_WEIGHT = "over_weight"
+    BAD_SPARSE = "bad_sparse"
+    """A top-k contribution whose image does not validate: its size, an index beyond its chunk or
+    repeated, a NaN, infinite or negative scale (`core/sparse.py`)."""
     """An offer or contribution whose token weight is over what the run allows a round."""
     NO_SHOW = "no_show"
     """A member that was in a group and delivered nothing: left out of the next groups for a while."""

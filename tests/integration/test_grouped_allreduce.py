@@ -108,3 +108,23 @@ def test_a_group_whose_member_never_comes_makes_nobody_apply_the_round() -> None
     assert len(results) == size - 1
     for result in results:
         assert result.averaged.covered == () and result.delivered == frozenset()
+
+
+def test_a_grouped_topk_round_gives_every_member_the_weighted_mean_of_the_compressed_deltas() -> None:
+    """The first level relays top-k contributions within each group; the leaders' level and the
+    hand-off carry the group means as fp32 (they are no longer top-k): the swarm's exact mean."""
+    from swarmnode.core import sparse
+
+    size, n = 5, 60_000
+    deltas = [sparse.compress(d, 41) for d in random_deltas(size, n, seed=9)]
+    weights = [100.0 * (i + 1) for i in range(size)]
+
+    async def scenario() -> list[AllReduceResult]:
+        async with swarm(size) as nodes:
+            spec = round_spec(nodes, weights, 2, sparse.wire_name(41))
+            return await grouped_allreduce(nodes, spec, deltas)
+
+    results = run(scenario())
+    assert_identical(results)
+    assert results[0].averaged.coverage == 1.0
+    assert torch.allclose(results[0].averaged.delta, weighted_average(deltas, weights), atol=1e-6)

@@ -175,3 +175,26 @@ def test_corrupt_newest_snapshot_falls_back_to_the_previous(
     assert newest.with_name(newest.name + ".corrupt").exists()
     assert "refused" in second.log()
     assert_same_run(final_state(tmp_path), uninterrupted)
+
+
+# The top-k wire: its error feedback (node-specific state, in every snapshot) must resume bit for bit.
+TOPK_ARGS = (*RUN_ARGS, "--wire-dtype", "topk", "--topk-density", "0.01")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_topk(tmp_path_factory, run_args) -> tuple[dict[str, torch.Tensor], dict]:
+    return straight_run(tmp_path_factory, (*run_args, *TOPK_ARGS[len(RUN_ARGS) :]), "straight-topk")
+
+
+def test_killed_topk_run_restores_its_error_feedback_bit_for_bit(
+    tmp_path: Path, reaper, uninterrupted_topk, run_args
+) -> None:
+    args = (*run_args, *TOPK_ARGS[len(RUN_ARGS) :])
+    first = reaper.node(tmp_path, args, faults="kill@inner_step#17").start()
+    assert first.wait(180) == -signal.SIGKILL, first.log()
+    second = reaper.node(tmp_path, args).start()
+    assert second.wait(180) == 0, second.log()
+    assert_same_run(final_state(tmp_path), uninterrupted_topk)
+    feedback = [t for name, t in uninterrupted_topk[0].items() if name.startswith("error_feedback/")]
+    assert feedback and any(bool(t.any()) for t in feedback)  # it holds what was not sent
+    assert [r["source"] for r in read_receipts(tmp_path)] == ["fresh", "local"]

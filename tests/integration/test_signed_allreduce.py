@@ -5,6 +5,7 @@ one replayed to another node, spliced, altered or sent again is refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import grpc
@@ -137,6 +138,36 @@ def test_a_captured_contribution_is_refused_elsewhere_altered_spliced_or_again()
             # Member 0's captured call to reducer 1 sent again: a second call from that sender.
             assert await send(spec.members[1].address, to_1) == grpc.StatusCode.ALREADY_EXISTS
             assert "duplicate" in rejected
+        finally:
+            await asyncio.gather(*(s.stop() for s in servers))
+
+    asyncio.run(scenario())
+
+
+def test_a_signed_topk_allreduce_averages_every_part() -> None:
+    """Token-only swarms sign every chunk of a top-k part as of any other; each member's result is the
+    mean of the compressed deltas."""
+    from swarmnode.core import sparse
+
+    async def scenario() -> None:
+        servicers, servers, fp32_spec, rejected = await start_members(3)
+        spec = dataclasses.replace(fp32_spec, wire_dtype=sparse.wire_name(41))
+        try:
+            n = 300_000
+            deltas = [
+                sparse.compress(torch.randn(n, generator=torch.Generator().manual_seed(k)), 41)
+                for k in range(3)
+            ]
+            for servicer in servicers:
+                servicer.expect(spec)
+            results = await asyncio.gather(
+                *(butterfly_allreduce(s, spec, k, deltas[k], 1.0) for k, s in enumerate(servicers))
+            )
+            expected = (deltas[0] + deltas[1] + deltas[2]) / 3
+            for result in results:
+                assert result.averaged.coverage == 1.0 and result.delivered == frozenset({0, 1, 2})
+                assert torch.allclose(result.averaged.delta, expected, atol=1e-6)
+            assert not rejected
         finally:
             await asyncio.gather(*(s.stop() for s in servers))
 

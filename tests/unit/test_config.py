@@ -26,7 +26,9 @@ def parse(argv: list[str], env: dict[str, str] | None = None, toml: Path | None 
 def test_defaults_follow_the_design() -> None:
     cfg = parse([])
     assert (cfg.grpc_port, cfg.dht_port, cfg.metrics_port) == (50051, 8468, 9464)
-    assert (cfg.outer_lr, cfg.outer_momentum) == (0.7, 0.9)
+    assert (cfg.outer_step_lr, cfg.outer_momentum) == (0.7, 0.9)
+    assert parse(["--wire-dtype", "topk"]).outer_step_lr == 1.0  # SparseLoCo's α
+    assert parse(["--wire-dtype", "topk", "--outer-lr", "0.5"]).outer_step_lr == 0.5
     assert cfg.identity_path == Path("swarmnode-data/identity.key")
 
 
@@ -303,5 +305,16 @@ def test_help_shows_one_default_and_the_choices_of_each_flag() -> None:
         "--precision {auto,fp32,bf16,fp16}",
     ):
         assert shown in text
-    assert "--wire-dtype {fp32,bf16,int8,int4}" in text
+    assert "--wire-dtype {fp32,bf16,int8,int4,topk}" in text
     assert actions["threads"].help == "CPU threads for torch (default: torch's own choice)"
+
+
+def test_topk_wire_names_its_k_and_refuses_overlap_and_fragments() -> None:
+    cfg = parse(["--wire-dtype", "topk", "--topk-density", "0.0156"])
+    assert (cfg.topk, cfg.group_wire_dtype) == (64, "topk64")
+    assert parse([]).topk == 0 and parse([]).group_wire_dtype == "bf16"
+    for extra in (["--overlap", "on"], ["--fragments", "2"]):
+        with pytest.raises(ConfigError, match="topk"):
+            parse(["--wire-dtype", "topk", *extra])
+    with pytest.raises(ConfigError):
+        parse(["--wire-dtype", "topk", "--topk-density", "0"])

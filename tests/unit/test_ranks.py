@@ -93,6 +93,10 @@ def test_the_ranks_rng_states_are_optional_tensors() -> None:
             "^--nproc-per-node: not built with --fragments",
         ),
         (
+            {"nproc_per_node": 2, "max_ranks": 2, "wire_dtype": "topk"},
+            "^--nproc-per-node: not built with --wire-dtype topk",
+        ),
+        (
             {"nproc_per_node": 2, "max_ranks": 2, "device": "cuda:1"},
             "^--nproc-per-node: rank k trains on GPU k",
         ),

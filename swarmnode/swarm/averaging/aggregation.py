@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmnode.swarm.averaging import codecs
+from swarmnode.swarm.averaging.wire import is_sparse
 from swarmnode.util.labels import Exclusion
 
 FAR = 2.0
@@ -70,6 +71,9 @@ class Averaged:
     """Members whose contributions the robust aggregation left out, and why."""
     clipped: tuple[int, ...] = ()
     """Members (among `included`) whose contributions CenteredClip pulled in to its radius."""
+    relay: tuple[tuple[int, float, memoryview], ...] = ()
+    """A top-k wire's reducer: (member, weight, image) of every contribution of positive weight that
+    arrived whole, its own included, in member order: what it sends its callers (`allreduce.py`)."""
 
     @property
     def contributors(self) -> int:
@@ -107,8 +111,11 @@ def average(
     clipped = centered_clip(kept, acc) if clip and math.isfinite(max_norm_ratio) else None
     if clipped is None:
         _weighted_mean(kept, acc, scratch)
-    image = codecs.encode(acc, wire_dtype)
     included = tuple(index for index, _, _ in kept)
+    if is_sparse(wire_dtype):  # every member aggregates the relayed contributions itself: no image
+        values = values_out.copy_(acc) if values_out is not None else acc
+        return Averaged(included, None, values, excluded, clipped or ())
+    image = codecs.encode(acc, wire_dtype)
     values = codecs.decode(image, wire_dtype, n, values_out)
     return Averaged(included, image, values, excluded, clipped or ())
 

@@ -24,6 +24,13 @@ Failure semantics:
 - A member of weight 0 (averaged into nothing) sends each reducer only its header, then ends its
   side of the call: it is no longer expected, and it still gets the part's average.
 
+With a top-k wire (`wire.is_sparse`, docs/design.md "Top-k wire") the parts are whole chunks and a
+reducer relays rather than averages: it answers each caller with every other contribution to its part
+that arrived whole and validated (each with its weight), and every member, the reducer included, takes
+the same robust average (`aggregation.average`) of the same images in member order, its own from the
+image it sent. The bytes are an all-gather's, (N − 1) images per member; who is in a part is still
+decided by its reducer alone, so the failure semantics above hold as they are.
+
 This module is the member side; the reducer side (`AveragingService`) is `reducer.py`.
 """
 
@@ -33,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +55,8 @@ from swarmnode.core.diloco import AveragedDelta, Range
 from swarmnode.net import bulk, rpc
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import averaging_pb2_grpc as pb_grpc
-from swarmnode.swarm.averaging import codecs, wire
+from swarmnode.swarm.averaging import codecs, reducer, wire
+from swarmnode.swarm.averaging.aggregation import Contribution, average
 from swarmnode.swarm.averaging.reducer import AveragingServicer, LocalReduction, silent_grace
 from swarmnode.swarm.averaging.trust import UNCHECKED, AveragingTrust
 from swarmnode.swarm.averaging.wire import EXCHANGE_METHOD, GroupSpec
@@ -496,6 +505,8 @@ class _Butterfly:
         # fp32: the image is the values, so it lands in `out` itself; others decode into it.
         fp32 = self.spec.wire_dtype == "fp32"
         size = codecs.encoded_size(h.wire_dtype, hi - lo)
+        if self.spec.sparse:  # the contributions relayed, each with its weight, all but our own
+            size = (size + reducer.RELAY_WEIGHT_BYTES) * len(included - {self.me})
         image = codecs.writable_image(self.out[lo:hi]) if fp32 else self._borrow(size)
         got = 0
         if h.bulk:  # the image follows the header on the lane
@@ -516,6 +527,8 @@ class _Butterfly:
             except ValueError as exc:
                 logger.warning("group %s: member %d sent a bad result: %s", self.spec.group_id, k, exc)
                 return None
+        if self.spec.sparse:
+            return await self._aggregate_relay(k, included, image)
         if h.wire_dtype in codecs.CHEAP_DTYPES and not fp32:
             codecs.decode(image, h.wire_dtype, hi - lo, self.out[lo:hi])
         elif not fp32:
@@ -526,6 +539,51 @@ class _Butterfly:
             self.decodes.append(decoding)
             await asyncio.shield(decoding)
         return included
+
+    async def _aggregate_relay(self, k: int, arrived: frozenset[int], image: memoryview) -> _Part | None:
+        """Part k of a top-k round: the same robust average (`aggregation.average`) that its reducer
+        and every other member take of the contributions it relayed, ours among them if it arrived;
+        None (the part not covered) if the relay does not validate."""
+        lo, hi = self.spec.part_range(k, self.delta.numel())
+        try:
+            contributions = self._relayed(k, arrived, image)
+        except ValueError as exc:
+            logger.warning("group %s: member %d relayed a bad part: %s", self.spec.group_id, k, exc)
+            return None
+        servicer, wire_dtype = self.servicer, self.spec.wire_dtype
+        work = asyncio.to_thread(
+            average, contributions, wire_dtype, hi - lo, servicer.max_norm_ratio, None, self.out[lo:hi]
+        )
+        averaging = asyncio.ensure_future(work)
+        self.decodes.append(averaging)  # `run` waits for it before it assembles `out`
+        try:
+            averaged = await asyncio.shield(averaging)
+        except ValueError as exc:
+            logger.warning("group %s: member %d relayed a bad part: %s", self.spec.group_id, k, exc)
+            return None
+        self.screened.update(index for index, _ in averaged.excluded)  # (counted by part k's reducer)
+        return frozenset(averaged.included) if averaged.values is not None else None
+
+    def _relayed(self, k: int, arrived: frozenset[int], image: memoryview) -> list[Contribution]:
+        """The contributions in a relay (`reducer.relay_image`), in member order, ours from what we
+        sent; ValueError for a weight that is not finite, not positive, or over what its member offered."""
+        lo, hi = self.spec.part_range(k, self.delta.numel())
+        size = codecs.encoded_size(self.spec.wire_dtype, hi - lo)
+        contributions: list[Contribution] = []
+        offset = 0
+        for member in sorted(arrived):
+            if member == self.me:
+                if k not in self.images:  # we sent no values (weight 0): a relay naming us lies
+                    raise ValueError("the relay names our contribution, which we did not send")
+                contributions.append((member, self.weight, self.images[k]))
+                continue
+            (weight,) = struct.unpack_from("<d", image, offset)
+            if not 0 < weight <= self.spec.members[member].weight:  # NaN fails too
+                raise ValueError(f"member {member}'s weight {weight} is not one it offered")
+            start = offset + reducer.RELAY_WEIGHT_BYTES
+            contributions.append((member, weight, image[start : start + size]))
+            offset = start + size
+        return contributions
 
 
 async def _lane_header(lane: socket.socket) -> pb.AveragedHeader | None:

@@ -11,6 +11,9 @@
   value in the low nibble (4·⌈n / INT4_BLOCK⌉ + ⌈n / 2⌉ bytes). Each value comes back within scale / 2
   (plus fp32 rounding) of what was sent: 1/14 of its block's largest magnitude.
 
+- `topk<k>` (and `topk`, the default k): chunk-wise top-k with 2-bit values and per-chunk scales,
+  `core/sparse.py` (its image and its validation are there).
+
 Decoding is a pure function of the image, so every member that decodes the same image holds the
 same fp32 values bit for bit (the all-reduce relies on it).
 """
@@ -21,7 +24,8 @@ import sys
 
 import torch
 
-from swarmnode.swarm.averaging.wire import check_dtype
+from swarmnode.core import sparse
+from swarmnode.swarm.averaging.wire import check_dtype, is_sparse
 
 INT8_BLOCK = 1024
 """Values per int8 quantisation block (one fp32 scale each: 0.4% overhead)."""
@@ -44,9 +48,17 @@ def int4_blocks(n: int) -> int:
     return -(-n // INT4_BLOCK)
 
 
+def topk_of(wire_dtype: str) -> int:
+    """k of a top-k wire dtype (`topk`: the default density's)."""
+    k = sparse.parse_wire_name(wire_dtype)
+    return k if k is not None else sparse.kept_per_chunk(sparse.DEFAULT_DENSITY)
+
+
 def encoded_size(wire_dtype: str, n: int) -> int:
     """Bytes of the image of n values."""
-    if check_dtype(wire_dtype) == "int4":
+    if is_sparse(check_dtype(wire_dtype)):
+        return sparse.image_size(n, topk_of(wire_dtype))
+    if wire_dtype == "int4":
         return 4 * int4_blocks(n) + (n + 1) // 2
     size = _ITEM_BYTES[wire_dtype] * n
     return size + 4 * int8_blocks(n) if wire_dtype == "int8" else size
@@ -63,6 +75,8 @@ def encode(x: torch.Tensor, wire_dtype: str, into: memoryview | None = None) -> 
     assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous(), "flat contiguous fp32 expected"
     if check_dtype(wire_dtype) == "fp32":
         return _bytes_of(x)
+    if is_sparse(wire_dtype):
+        return sparse.encode(x, topk_of(wire_dtype))
     if wire_dtype == "bf16":
         if into is not None and x.numel():
             assert len(into) == encoded_size("bf16", x.numel()), "into must be the image's size"
@@ -91,6 +105,8 @@ def decode(
     assert out is None or (out.dtype == torch.float32 and out.shape == (n,)), "flat fp32 out of n expected"
     if n == 0:
         return out if out is not None else torch.empty(0, dtype=torch.float32)
+    if is_sparse(wire_dtype):
+        return sparse.decode(image, n, topk_of(wire_dtype), out)
     raw = torch.frombuffer(_writable(image), dtype=torch.uint8)
     values = _decoded(raw, wire_dtype, n, out)
     if out is not None and values is not out:

@@ -14,7 +14,8 @@ approximate one):
 3. each leader hands that mean to its members with one more butterfly of its group (`…/b<i>`): the
    leader contributes it with weight 1, the members with weight 0 (they send only a header), so each
    member reduces one part and passes it on, and every member of every group applies the same values
-   (bf16 values travel as bf16, which keeps them exact; other wire dtypes travel as fp32 here).
+   (bf16 values travel as bf16, which keeps them exact; other wire dtypes travel as fp32 here; with a
+   top-k wire, step 2 travels as fp32 too: a group's mean holds the union of its members' supports).
 
 The digest invariant stays what it is for one group: every node that applied a round holds the same
 global params after it.
@@ -142,7 +143,9 @@ class RoundPlan:
     def leaders_spec(self) -> GroupSpec:
         """Step 2: the leaders' butterfly over the group means."""
         weights = [self.group_weight(g) for g in range(len(self.groups))]  # each leader brings its group's
-        return self._sub("top", self.leaders(), self.spec.wire_dtype, self.spec.timeout_s, weights)
+        # A top-k group's mean holds the union of its members' supports: no longer top-k, it goes as fp32.
+        dtype = "fp32" if self.spec.sparse else self.spec.wire_dtype
+        return self._sub("top", self.leaders(), dtype, self.spec.timeout_s, weights)
 
     def handoff_spec(self, g: int) -> GroupSpec:
         """Step 3: group g's butterfly that passes the swarm's mean on. Its budget spans step 2 too,

@@ -12,14 +12,20 @@ Robust aggregation (`aggregation.average`): a contribution holding NaN/Inf, or w
 `max_norm_ratio` × the lower median of the part's contribution norms, is left out of the average (its
 tokens are not counted, it is not among the members the result names); one far from the others is
 clipped (CenteredClip). Both are counted by reason and logged once per peer.
+
+Top-k wire: a part whose image does not validate (`core/sparse.py`) is refused as `bad_sparse`; the
+result a caller gets is the other contributions themselves (`relay_image`), which every member averages
+as this reducer does (`allreduce.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
+import struct
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -335,12 +341,26 @@ class _PartRound:
                     AveragingReject.BAD_SIGNATURE, f"chunk {index} of member {sender}: bad signature"
                 )
             got, index = got + size, index + 1
+        if self.spec.sparse and not await asyncio.to_thread(self._valid_sparse, image):
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                AveragingReject.BAD_SPARSE,
+                f"group {self.spec.group_id}: member {sender}'s top-k part does not validate",
+            )
         weight = h.weight
         if self.closed:
             logger.info("group %s: member %d's part came after the reduction", self.spec.group_id, sender)
             return
         self.contributions[sender] = (weight, image)
         self.give_up(sender)
+
+    def _valid_sparse(self, image: memoryview) -> bool:
+        try:
+            codecs.decode(image, self.spec.wire_dtype, self.part_len)
+        except ValueError as exc:
+            logger.info("group %s: a top-k part refused: %s", self.spec.group_id, exc)
+            return False
+        return True
 
     def _receive_buffer(self, size: int) -> memoryview:
         if self.spares is None:
@@ -466,9 +486,15 @@ class LocalReduction:
             if n and wire_dtype == "bf16"
             else None
         )
-        return await asyncio.to_thread(
-            average, contributions, wire_dtype, n, max_norm_ratio, acc, values_out, scratch
-        )
+        if not rnd.spec.sparse:
+            return await asyncio.to_thread(
+                average, contributions, wire_dtype, n, max_norm_ratio, acc, values_out, scratch
+            )
+        # Top-k: its own contribution counts as its image decodes, as on every member it is relayed to.
+        relay = await asyncio.to_thread(_relay, contributions, wire_dtype)
+        relayed: list[Contribution] = list(relay)
+        averaged = await asyncio.to_thread(average, relayed, wire_dtype, n, max_norm_ratio, acc, values_out)
+        return dataclasses.replace(averaged, relay=relay)
 
     def publish(self, averaged: Averaged) -> None:
         self._round.publish(averaged)
@@ -648,7 +674,7 @@ class AveragingServicer:
             await context.send_initial_metadata(wire.ADMITTED + offer)
             await rnd.wait_started(header)
             averaged = await rnd.collect(context, sender, header, self.trust, lane)
-            await _send_result(context, rnd, averaged, lane.taken if lane else None)
+            await _send_result(context, rnd, averaged, lane.taken if lane else None, sender)
         except _Refused as exc:
             if exc.reason != "unknown_group":  # not yet known: the sender asks again
                 self._reject(exc.reason)
@@ -676,8 +702,10 @@ class AveragingServicer:
         if self._on_rejected is not None:
             self._on_rejected(reason)
 
-    def report_exclusions(self, spec: GroupSpec, averaged: Averaged) -> None:
-        """Counts the contributions the robust aggregation left out or clipped; logs each peer once."""
+    def report_exclusions(self, spec: GroupSpec, averaged: Averaged, part: int | None = None) -> None:
+        """Counts the contributions the robust aggregation left out or clipped of a part (None: this
+        node's own; a top-k member aggregates every part itself); logs each peer once."""
+        part = spec.index_of(self.node_id) if part is None else part
         for index in averaged.clipped:
             if self._on_clipped is not None:
                 self._on_clipped()
@@ -687,7 +715,7 @@ class AveragingServicer:
                 logger.warning(
                     "group %s: clipped member %d (%s)'s contribution to part %d: far from the others' "
                     "(logged once per peer; counted in swarmnode_averaging_clipped_total)",
-                    *(spec.group_id, index, node_id[:12], spec.index_of(self.node_id)),
+                    *(spec.group_id, index, node_id[:12], part),
                 )
         for index, reason in averaged.excluded:
             if self._on_excluded is not None:
@@ -698,7 +726,7 @@ class AveragingServicer:
                 logger.warning(
                     "group %s: left member %d (%s)'s contribution out of part %d: %s "
                     "(logged once per peer; counted in swarmnode_averaging_excluded_total)",
-                    *(spec.group_id, index, node_id[:12], spec.index_of(self.node_id), reason),
+                    *(spec.group_id, index, node_id[:12], part, reason),
                 )
 
 
@@ -717,17 +745,43 @@ async def _read_header(context: Any) -> pb.ContributionHeader:
     return first.header
 
 
-async def _send_result(context: Any, rnd: _PartRound, averaged: Averaged, lane: socket.socket | None) -> None:
+def _relay(contributions: list[Contribution], wire_dtype: str) -> tuple[tuple[int, float, memoryview], ...]:
+    """The contributions of positive weight as a top-k reducer relays them (its own encoded)."""
+    return tuple(
+        (k, w, codecs.encode(data, wire_dtype) if isinstance(data, torch.Tensor) else memoryview(data))
+        for k, w, data in contributions
+        if w > 0
+    )
+
+
+RELAY_WEIGHT_BYTES = 8
+"""A relayed top-k contribution: its weight (float64, little-endian), then its image."""
+
+
+def relay_image(averaged: Averaged, caller: int) -> memoryview:
+    """What a top-k reducer sends `caller`: every relayed contribution but the caller's own, in member
+    order, each as its weight then its image."""
+    pieces = [struct.pack("<d", w) + bytes(image) for k, w, image in averaged.relay if k != caller]
+    return memoryview(b"".join(pieces))
+
+
+async def _send_result(
+    context: Any, rnd: _PartRound, averaged: Averaged, lane: socket.socket | None, caller: int
+) -> None:
     """The part's average to one caller: on the caller's bulk lane when its contribution came that way
-    (the header, framed, then the image: no gRPC message on the way), else in the call's messages."""
+    (the header, framed, then the image: no gRPC message on the way), else in the call's messages.
+    A top-k reducer sends the contributions it holds instead (`relay_image`), `included` naming them."""
+    sparse = rnd.spec.sparse
     header = pb.AveragedHeader(
-        contributors=averaged.contributors,
+        contributors=len(averaged.relay) if sparse else averaged.contributors,
         part_elements=rnd.part_len,
         wire_dtype=rnd.spec.wire_dtype,
-        included=averaged.included,
+        included=[k for k, _, _ in averaged.relay] if sparse else averaged.included,
         bulk=lane is not None,
-        excluded=sorted(index for index, _ in averaged.excluded),
+        excluded=[] if sparse else sorted(index for index, _ in averaged.excluded),
     )
+    if sparse:
+        averaged = dataclasses.replace(averaged, image=relay_image(averaged, caller))
     if lane is not None:
         image = averaged.image if averaged.image is not None else memoryview(b"")
         rnd.result_bytes += len(image)  # counted before the await, as below

@@ -15,13 +15,16 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from swarmnode.core import sparse
 from swarmnode.net.dht_records import MAX_RECORD_BYTES
 from swarmnode.net.rpc import CHUNK_BYTES, encode_data_chunk
 from swarmnode.proto.v1 import averaging_pb2 as pb
 from swarmnode.proto.v1 import snapshot_pb2 as snapshot_pb
 from swarmnode.util.validate import parse_cursor, parse_host_port
 
-WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")
+WIRE_DTYPES = ("fp32", "bf16", "int8", "int4", "topk")
+"""The wire dtypes a user picks (--wire-dtype). On the wire `topk` is named with its k per chunk,
+`topk<k>` (`core/sparse.py`); plain `topk` means the default density's k."""
 EXCHANGE_METHOD = "/swarmnode.v1.AveragingService/Exchange"
 ADMITTED = (("swarmnode-admitted", "1"),)
 """Initial metadata of an `Exchange` call whose header the reducer admitted: the part may follow."""
@@ -39,10 +42,14 @@ proposal cannot make a member hold a group's calls for longer."""
 
 
 def check_dtype(wire_dtype: str) -> str:
-    """`wire_dtype` if it is one of `WIRE_DTYPES`; ValueError otherwise."""
-    if wire_dtype not in WIRE_DTYPES:
+    """`wire_dtype` if it is one of `WIRE_DTYPES` or a `topk<k>`; ValueError otherwise."""
+    if wire_dtype not in WIRE_DTYPES and sparse.parse_wire_name(wire_dtype) is None:
         raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
     return wire_dtype
+
+
+def is_sparse(wire_dtype: str) -> bool:
+    return wire_dtype == "topk" or sparse.parse_wire_name(wire_dtype) is not None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,11 +150,22 @@ class GroupSpec:
 
     def part_range(self, k: int, n: int) -> tuple[int, int]:
         """Part k (member k's) of a flat Δ of n values: for the j-th of R reducers [j·n/R, (j+1)·n/R);
-        an empty range for a client member (with every member reachable: [k·n/N, (k+1)·n/N))."""
+        an empty range for a client member (with every member reachable: [k·n/N, (k+1)·n/N)). With a
+        top-k wire the bounds are rounded down to whole chunks (`sparse.CHUNK`), so a part's chunks
+        are the chunks the node compressed Δ in."""
         if not self.members[k].reachable:
             return 0, 0
         j, size = self.reducers.index(k), len(self.reducers)
-        return j * n // size, (j + 1) * n // size
+        lo, hi = j * n // size, (j + 1) * n // size
+        if self.sparse:
+            lo, hi = lo - lo % sparse.CHUNK, hi if j == size - 1 else hi - hi % sparse.CHUNK
+        return lo, hi
+
+    @functools.cached_property
+    def sparse(self) -> bool:
+        """Whether the group's wire is top-k (`core/sparse.py`): its reducers relay contributions
+        rather than average them (`allreduce.py`)."""
+        return is_sparse(self.wire_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,0 +1,178 @@
+"""Chunk-wise top-k with 2-bit values: the compressor of SparseLoCo (Sarfi et al. 2025, "Communication
+Efficient LLM Pre-training with SparseLoCo", arXiv 2508.15706) and its byte image.
+
+A flat fp32 vector of n values is cut into chunks of `CHUNK` values from its start (the last one may be
+shorter); in each chunk the k entries of largest magnitude are kept (all of a chunk shorter than k),
+the rest dropped. A kept value is sent as 2 bits against its chunk's scale s (the largest kept
+magnitude): its sign, and whether its magnitude is nearer s or `LOW`·s. The image of n values:
+
+    scales   fp32 × chunks                     (s of each chunk, finite and ≥ 0)
+    codes    2 bits × entries, 4 to a byte     (bit 0: negative; bit 1: magnitude s, else LOW·s)
+    indices  12 bits × entries, 2 to 3 bytes   (in-chunk positions, strictly increasing per chunk)
+
+so about 1.75 + 4/k bytes per kept entry. Decoding validates everything before it writes a value:
+the exact size, finite non-negative scales, and in-chunk indices within the chunk and strictly
+increasing (no duplicate); any violation is a ValueError. Never unpickles.
+
+`compress(x)` is decode(encode(x)); compressing its output again gives it back bit for bit (the kept
+entries are then the only non-zero ones, the largest is s itself, and LOW·s stays below the midpoint),
+which is what lets a node add its own compressed Δ to an average exactly as peers decode its image.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+CHUNK = 4096
+"""Values per chunk (SparseLoCo's); an in-chunk index fits 12 bits."""
+LOW = 0.75
+"""The lower magnitude level, as a share of the chunk's scale; the levels are LOW·s and s."""
+_MIDPOINT = (1.0 + LOW) / 2
+DEFAULT_DENSITY = 0.01
+"""Kept share of Δ's entries: about the most that still sends 100× fewer bytes than fp32 in a group of 4
+(k = 41: 1.85 bytes an entry; docs/benchmarks.md "Top-k wire" has the measurement)."""
+
+
+def kept_per_chunk(density: float) -> int:
+    """k of a density: round(density · CHUNK), at least 1."""
+    if not 0 < density <= 1:
+        raise ValueError(f"top-k density must be in (0, 1], got {density}")
+    return max(1, min(CHUNK, round(density * CHUNK)))
+
+
+_NAME = re.compile(r"topk([1-9][0-9]{0,3})")
+
+
+def wire_name(k: int) -> str:
+    """The wire dtype of top-k with k entries per chunk (`topk41`)."""
+    assert 1 <= k <= CHUNK, k
+    return f"topk{k}"
+
+
+def parse_wire_name(wire_dtype: str) -> int | None:
+    """k of a top-k wire dtype name; None for any other name."""
+    match = _NAME.fullmatch(wire_dtype)
+    if match is None or int(match.group(1)) > CHUNK:
+        return None
+    return int(match.group(1))
+
+
+def chunk_count(n: int) -> int:
+    return -(-n // CHUNK)
+
+
+def entry_count(n: int, k: int) -> int:
+    """Kept entries of n values: k per whole chunk, min(k, its length) in a last, shorter one."""
+    return (n // CHUNK) * k + min(k, n % CHUNK)
+
+
+def image_size(n: int, k: int) -> int:
+    entries = entry_count(n, k)
+    return 4 * chunk_count(n) + -(-entries // 4) + 3 * -(-entries // 2)
+
+
+def _chunks(n: int, k: int) -> list[tuple[int, int, int]]:
+    """(start, length, kept) of the two chunk shapes: the whole chunks as one block, then the last,
+    shorter one (each present only if it has values)."""
+    whole, rest = divmod(n, CHUNK)
+    shapes = []
+    if whole:
+        shapes.append((0, whole * CHUNK, min(k, CHUNK)))
+    if rest:
+        shapes.append((whole * CHUNK, rest, min(k, rest)))
+    return shapes
+
+
+def encode(x: torch.Tensor, k: int) -> memoryview:
+    """The image of a flat contiguous fp32 CPU tensor (see the module notes)."""
+    assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous(), "flat contiguous fp32 expected"
+    n = x.numel()
+    scales, codes, indices = [], [], []
+    for start, length, kept in _chunks(n, k):
+        size = min(length, CHUNK)
+        rows = x[start : start + length].view(-1, size)
+        index = rows.abs().topk(kept, dim=1, sorted=False).indices.sort(dim=1).values
+        values = rows.gather(1, index)
+        scale = values.abs().amax(dim=1)
+        high = values.abs() > scale[:, None] * _MIDPOINT
+        codes.append((values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1))
+        scales.append(scale)
+        indices.append(index)
+    image = torch.empty(image_size(n, k), dtype=torch.uint8)
+    if n == 0:
+        return _bytes_of(image)
+    nch, entries = chunk_count(n), entry_count(n, k)
+    image[: 4 * nch].copy_(torch.cat(scales).view(torch.uint8))
+    code = torch.cat([c.reshape(-1) for c in codes])
+    code = torch.cat((code, code.new_zeros(-entries % 4))).view(-1, 4)
+    packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
+    image[4 * nch : 4 * nch + packed.numel()].copy_(packed)
+    idx = torch.cat([i.reshape(-1) for i in indices]).to(torch.int32)
+    idx = torch.cat((idx, idx.new_zeros(entries % 2))).view(-1, 2)
+    a, b = idx[:, 0], idx[:, 1]
+    triples = torch.stack((a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4), dim=1).to(torch.uint8)
+    image[4 * nch + packed.numel() :].copy_(triples.view(-1))
+    return _bytes_of(image)
+
+
+def decode(
+    image: bytes | bytearray | memoryview, n: int, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The n fp32 values of an image made by `encode` (zeros where nothing was kept), written into
+    `out` if given. ValueError, before anything is written, if the image is malformed (module notes)."""
+    if len(image) != image_size(n, k):
+        raise ValueError(f"a top-{k} image of {n} values has {image_size(n, k)} bytes, not {len(image)}")
+    out = out if out is not None else torch.empty(n, dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (n,), "flat fp32 out of n expected"
+    if n == 0:
+        return out
+    raw = torch.frombuffer(bytearray(image), dtype=torch.uint8)  # (a copy: the checks read what we use)
+    nch, entries = chunk_count(n), entry_count(n, k)
+    scales = raw[: 4 * nch].view(torch.float32)
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ValueError("a top-k image holds a scale that is negative, NaN or infinite")
+    packed = raw[4 * nch : 4 * nch + -(-entries // 4)]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    code = ((packed[:, None] >> shifts) & 3).reshape(-1)[:entries]
+    triples = raw[4 * nch + packed.numel() :].to(torch.int64).view(-1, 3)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    index = torch.stack((a, b), dim=1).reshape(-1)[:entries]
+    positions, chunk_of = _positions(index, n, k)
+    scale = scales[chunk_of]
+    magnitude = torch.where((code & 2).bool(), scale, scale * LOW)
+    values = torch.where((code & 1).bool(), -magnitude, magnitude)
+    out.zero_()
+    out[positions] = values
+    return out
+
+
+def _positions(index: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions and chunk numbers of the entries' in-chunk indices; ValueError unless every
+    index lies in its chunk and they increase strictly within each chunk."""
+    positions, chunks = [], []
+    done = 0
+    for start, length, kept in _chunks(n, k):
+        size = min(length, CHUNK)
+        rows = index[done : done + (length // size) * kept].view(-1, kept)
+        done += rows.numel()
+        if bool((rows >= size).any()):
+            raise ValueError(f"a top-k image holds an index beyond its chunk of {size} values")
+        if kept > 1 and not bool((rows[:, 1:] > rows[:, :-1]).all()):
+            raise ValueError("a top-k image holds a duplicate or unordered index within a chunk")
+        first = start // CHUNK
+        numbers = torch.arange(first, first + rows.shape[0])
+        positions.append((rows + numbers[:, None] * CHUNK).reshape(-1))
+        chunks.append(numbers.repeat_interleave(kept))
+    return torch.cat(positions), torch.cat(chunks)
+
+
+def compress(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What peers decode of `x`'s image: decode(encode(x)), into `out` if given."""
+    return decode(encode(x, k), x.numel(), k, out)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
