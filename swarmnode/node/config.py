@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from swarmnode.core import sparse
+from swarmnode.core import topk_layout
 from swarmnode.core.device_choice import PRECISION_CHOICES, check_device_choice
 from swarmnode.core.fragments import round_steps, steps_in_rounds
 from swarmnode.core.model_choice import check_model_choice
@@ -97,7 +97,7 @@ class NodeConfig:
     allreduce_timeout_s: float = 30.0
     max_norm_ratio: float = DEFAULT_MAX_NORM_RATIO
     wire_dtype: str = "bf16"
-    topk_density: float = sparse.DEFAULT_DENSITY
+    topk_density: float = topk_layout.DEFAULT_DENSITY
     ef_decay: float = 0.95
     min_coverage: float = 0.5
     reachable: str = "auto"
@@ -145,12 +145,12 @@ class NodeConfig:
     @property
     def topk(self) -> int:
         """k of the top-k wire (`core/sparse.py`); 0 for a dense wire dtype."""
-        return sparse.kept_per_chunk(self.topk_density) if self.wire_dtype == "topk" else 0
+        return topk_layout.kept_per_chunk(self.topk_density) if self.wire_dtype == "topk" else 0
 
     @property
     def group_wire_dtype(self) -> str:
         """The wire dtype as groups name it: `topk<k>` for the top-k wire."""
-        return sparse.wire_name(self.topk) if self.topk else self.wire_dtype
+        return topk_layout.wire_name(self.topk) if self.topk else self.wire_dtype
 
     @property
     def outer_step_lr(self) -> float:

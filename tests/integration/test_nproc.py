@@ -183,7 +183,10 @@ def test_killed_two_rank_node_leaves_no_rank_and_recovers_in_its_swarm(tmp_path:
     two.restart()
     for node in nodes:
         assert node.wait(240) == 0, node.log()[-3000:]
-    assert [r["source"] for r in read_receipts(two.data_dir)] == ["fresh", "local"]
+    # It starts fresh, or from its peer's first snapshot when its ranks took longer to start than the
+    # peer took to write one; it comes back from its own snapshot or its peer's fresher one.
+    sources = [r["source"] for r in read_receipts(two.data_dir)]
+    assert len(sources) == 2 and sources[0] in ("fresh", "peer") and sources[1] in ("local", "peer"), sources
     metas = [cold_metadata(n) for n in nodes]
     assert metas[0][3]["global_digest"] == metas[1][3]["global_digest"]
     assert_every_rank_recorded(two.data_dir, 2)

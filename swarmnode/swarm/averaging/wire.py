@@ -15,7 +15,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from swarmnode.core import sparse
+from swarmnode.core import topk_layout
 from swarmnode.net.dht_records import MAX_RECORD_BYTES
 from swarmnode.net.rpc import CHUNK_BYTES, encode_data_chunk
 from swarmnode.proto.v1 import averaging_pb2 as pb
@@ -43,13 +43,13 @@ proposal cannot make a member hold a group's calls for longer."""
 
 def check_dtype(wire_dtype: str) -> str:
     """`wire_dtype` if it is one of `WIRE_DTYPES` or a `topk<k>`; ValueError otherwise."""
-    if wire_dtype not in WIRE_DTYPES and sparse.parse_wire_name(wire_dtype) is None:
+    if wire_dtype not in WIRE_DTYPES and topk_layout.parse_wire_name(wire_dtype) is None:
         raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
     return wire_dtype
 
 
 def is_sparse(wire_dtype: str) -> bool:
-    return wire_dtype == "topk" or sparse.parse_wire_name(wire_dtype) is not None
+    return wire_dtype == "topk" or topk_layout.parse_wire_name(wire_dtype) is not None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,14 +151,14 @@ class GroupSpec:
     def part_range(self, k: int, n: int) -> tuple[int, int]:
         """Part k (member k's) of a flat Δ of n values: for the j-th of R reducers [j·n/R, (j+1)·n/R);
         an empty range for a client member (with every member reachable: [k·n/N, (k+1)·n/N)). With a
-        top-k wire the bounds are rounded down to whole chunks (`sparse.CHUNK`), so a part's chunks
+        top-k wire the bounds are rounded down to whole chunks (`topk_layout.CHUNK`), so a part's chunks
         are the chunks the node compressed Δ in."""
         if not self.members[k].reachable:
             return 0, 0
         j, size = self.reducers.index(k), len(self.reducers)
         lo, hi = j * n // size, (j + 1) * n // size
         if self.sparse:
-            lo, hi = lo - lo % sparse.CHUNK, hi if j == size - 1 else hi - hi % sparse.CHUNK
+            lo, hi = lo - lo % topk_layout.CHUNK, hi if j == size - 1 else hi - hi % topk_layout.CHUNK
         return lo, hi
 
     @functools.cached_property
