@@ -18,6 +18,7 @@ from typing import Any
 
 from swarmnode.bench import procs
 from swarmnode.bench.procs import LOOPBACK_ARGS
+from swarmnode.net.identity import Identity
 
 wait_for = procs.wait_until
 """The one poll helper, as the tests call it."""
@@ -79,6 +80,13 @@ class ProcessReaper:
         for node in self.nodes:
             with contextlib.suppress(Exception):  # best effort: every node gets its kill
                 node.kill()
+
+
+def identity_file(tmp_path_factory: Any) -> Path:
+    """A fresh node identity key in its own temporary directory, for runs that must share one node id."""
+    key = Path(tmp_path_factory.mktemp("identity")) / "node.key"
+    Identity.load_or_create(key)
+    return key
 
 
 def newest_snapshot(data_dir: Path) -> Path:

@@ -34,6 +34,7 @@ import os
 import re
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,14 +111,7 @@ def bench_wan(
             "s",
             "" if m.mode == "blocking" else "blocking mode's (the anchor)",
         )
-        result.add(
-            f"{tag} all-reduce per round",
-            m.allreduce_s,
-            "s",
-            " ".join(f"{x:.2f}" for x in m.per_round_allreduce_s),
-        )
-        result.add(f"{tag} round wall", m.round_wall_s, "s", " ".join(f"{x:.2f}" for x in m.per_round_wall_s))
-        result.add(f"{tag} bytes sent per node per round", m.bytes_per_node / 1e6, "MB")
+        _add_rounds(result, tag, m)
         result.add(f"{tag} rounds measured", len(m.rounds), "", f"outer steps {m.rounds[0]}..{m.rounds[-1]}")
     result.add("load", os.getloadavg()[0], "", load_note())
     result.ratio("blocking: round wall / inner phase", blocking.round_wall_s / anchor)
@@ -144,6 +138,17 @@ def bench_wan(
     return result
 
 
+def _add_rounds(result: BenchResult, tag: str, m: Rounds) -> None:
+    """One measurement's all-reduce, round wall and bytes, each round's figures in the note."""
+    result.add(f"{tag} all-reduce per round", m.allreduce_s, "s", _each(m.per_round_allreduce_s))
+    result.add(f"{tag} round wall", m.round_wall_s, "s", _each(m.per_round_wall_s))
+    result.add(f"{tag} bytes sent per node per round", m.bytes_per_node / 1e6, "MB")
+
+
+def _each(values: Sequence[float]) -> str:
+    return " ".join(f"{x:.2f}" for x in values)
+
+
 TOPK_COMPARED = ("topk", "int4", "bf16")
 
 
@@ -161,14 +166,7 @@ def bench_wires(preset_name: str, nodes: int, mbit: float, rounds: int, steps: i
         tag = f"{wire_dtype}:"
         result.add(f"{tag} Δ on the wire", codecs.encoded_size(wire_dtype, n_values) / 1e6, "MB")
         result.add(f"{tag} inner phase per round", m.inner_s, "s")
-        result.add(
-            f"{tag} all-reduce per round",
-            m.allreduce_s,
-            "s",
-            " ".join(f"{x:.2f}" for x in m.per_round_allreduce_s),
-        )
-        result.add(f"{tag} round wall", m.round_wall_s, "s", " ".join(f"{x:.2f}" for x in m.per_round_wall_s))
-        result.add(f"{tag} bytes sent per node per round", m.bytes_per_node / 1e6, "MB")
+        _add_rounds(result, tag, m)
     result.add("load", os.getloadavg()[0], "", load_note())
     for wire_dtype, m in measured.items():
         target = "target ≤ 1.05" if wire_dtype == "topk" else ""

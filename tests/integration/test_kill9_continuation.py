@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmnode.net.identity import Identity
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_snapshot
 from swarmnode.swarm.recovery.restore import read_receipts
-from swarmtest import newest_snapshot
+from swarmtest import identity_file, newest_snapshot
 
 # Both runs are the same node (one identity key), so they own the same shard and RNG stream.
 RUN_ARGS = (
@@ -38,9 +37,7 @@ RUN_ARGS = (
 
 @pytest.fixture(scope="module")
 def run_args(tmp_path_factory) -> tuple[str, ...]:
-    key = tmp_path_factory.mktemp("identity") / "node.key"
-    Identity.load_or_create(key)
-    return (*RUN_ARGS, "--identity", str(key))
+    return (*RUN_ARGS, "--identity", str(identity_file(tmp_path_factory)))
 
 
 def final_state(data_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -24,7 +24,7 @@ from swarmnode.core.model import configure_determinism
 from swarmnode.snapshot.format import iter_snapshot_files, parse_snapshot_name
 from swarmnode.snapshot.read import read_header, read_snapshot
 from swarmnode.swarm.recovery.restore import read_receipts
-from swarmtest import assert_ledgers_replay, cold_metadata, start_swarm, wait_for
+from swarmtest import assert_ledgers_replay, cold_metadata, identity_file, start_swarm, wait_for
 
 RANKS = ("--max-ranks", "2")
 TWO_RANKS = ("--nproc-per-node", "2")
@@ -215,11 +215,7 @@ RUN_ARGS = (
 
 @pytest.fixture(scope="module")
 def two_rank_args(tmp_path_factory) -> tuple[str, ...]:
-    from swarmnode.net.identity import Identity
-
-    key = tmp_path_factory.mktemp("identity") / "node.key"
-    Identity.load_or_create(key)
-    return (*RUN_ARGS, "--identity", str(key))
+    return (*RUN_ARGS, "--identity", str(identity_file(tmp_path_factory)))
 
 
 @pytest.mark.slow  # (three runs of a 2-rank node; the swarm's kill -9 test above runs by default)

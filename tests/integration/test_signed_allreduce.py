@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_allreduce import start_node
 
+from swarmnode.core import sparse
 from swarmnode.net import rpc
 from swarmnode.net.identity import Identity
 from swarmnode.proto.v1 import averaging_pb2 as pb
@@ -78,11 +79,19 @@ async def send(address: str, messages: list[Any]) -> grpc.StatusCode:
         return await call.code()
 
 
-def test_a_signed_allreduce_averages_every_part() -> None:
+@pytest.mark.parametrize("topk", [False, True], ids=["fp32", "topk"])
+def test_a_signed_allreduce_averages_every_part(topk: bool) -> None:
+    """Token-only swarms sign every chunk, of a top-k part as of any other; each member's result is the
+    mean of the deltas (top-k: of the compressed deltas, which is what the wire carries)."""
+
     async def scenario() -> None:
         servicers, servers, spec, rejected = await start_members(3)
         try:
-            deltas = [torch.randn(N, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+            n = 300_000 if topk else N
+            deltas = [torch.randn(n, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+            if topk:
+                spec = dataclasses.replace(spec, wire_dtype=sparse.wire_name(41))
+                deltas = [sparse.compress(delta, 41) for delta in deltas]
             for servicer in servicers:
                 servicer.expect(spec)
             results = await asyncio.gather(
@@ -138,36 +147,6 @@ def test_a_captured_contribution_is_refused_elsewhere_altered_spliced_or_again()
             # Member 0's captured call to reducer 1 sent again: a second call from that sender.
             assert await send(spec.members[1].address, to_1) == grpc.StatusCode.ALREADY_EXISTS
             assert "duplicate" in rejected
-        finally:
-            await asyncio.gather(*(s.stop() for s in servers))
-
-    asyncio.run(scenario())
-
-
-def test_a_signed_topk_allreduce_averages_every_part() -> None:
-    """Token-only swarms sign every chunk of a top-k part as of any other; each member's result is the
-    mean of the compressed deltas."""
-    from swarmnode.core import sparse
-
-    async def scenario() -> None:
-        servicers, servers, fp32_spec, rejected = await start_members(3)
-        spec = dataclasses.replace(fp32_spec, wire_dtype=sparse.wire_name(41))
-        try:
-            n = 300_000
-            deltas = [
-                sparse.compress(torch.randn(n, generator=torch.Generator().manual_seed(k)), 41)
-                for k in range(3)
-            ]
-            for servicer in servicers:
-                servicer.expect(spec)
-            results = await asyncio.gather(
-                *(butterfly_allreduce(s, spec, k, deltas[k], 1.0) for k, s in enumerate(servicers))
-            )
-            expected = (deltas[0] + deltas[1] + deltas[2]) / 3
-            for result in results:
-                assert result.averaged.coverage == 1.0 and result.delivered == frozenset({0, 1, 2})
-                assert torch.allclose(result.averaged.delta, expected, atol=1e-6)
-            assert not rejected
         finally:
             await asyncio.gather(*(s.stop() for s in servers))
 
