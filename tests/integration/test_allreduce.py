@@ -699,8 +699,9 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
                 assert victim.stdin is not None
                 victim.stdin.write(spec.to_json() + "\n")
                 victim.stdin.flush()
-                # Its calls first: one that comes a grace after the survivors are in is given up as
-                # silent (a busy machine can take that long to start it), and it would not die sending.
+                # It must be calling before the survivors begin: one that comes a grace after they are
+                # in is given up as silent (a busy machine can take that long to start it), and it would
+                # not die sending. (It may die before its second call is made: one is enough.)
                 await called_by(nodes, spec, 2)
                 started = time.monotonic()
                 results = await allreduce(nodes, spec, deltas[:2], weights[:2])
@@ -722,9 +723,10 @@ def test_a_member_killed_while_sending_leaves_survivors_in_agreement(tmp_path: P
 
 
 async def called_by(nodes: Sequence[Node], spec: GroupSpec, sender: int, timeout_s: float = 60.0) -> None:
-    """Waits until member `sender`'s calls reached every node (held there until its all-reduce begins)."""
+    """Waits until a call of member `sender` reached one of the nodes (held there until its all-reduce
+    begins)."""
     async with asyncio.timeout(timeout_s):
-        while not all(sender in node.servicer._rounds[spec.group_id].seen for node in nodes):
+        while not any(sender in node.servicer._rounds[spec.group_id].seen for node in nodes):
             await asyncio.sleep(0.01)
 
 
