@@ -230,15 +230,7 @@ def _check_ranks(cfg: NodeConfig) -> None:
             f"--nproc-per-node: at most --max-ranks ({cfg.max_ranks}), the ranks a member of the run may "
             f"weigh as; got {cfg.nproc_per_node}"
         )
-    if cfg.nproc_per_node == 1:
-        return
-    if cfg.overlap == "on":
-        raise ConfigError(f"--nproc-per-node: not built with --overlap on yet, got {cfg.nproc_per_node}")
-    if cfg.fragments != 1:
-        raise ConfigError(f"--nproc-per-node: not built with --fragments yet, got {cfg.nproc_per_node}")
-    if cfg.topk:
-        raise ConfigError(f"--nproc-per-node: not built with --wire-dtype topk yet, got {cfg.nproc_per_node}")
-    if cfg.device.startswith("cuda:"):
+    if cfg.nproc_per_node > 1 and cfg.device.startswith("cuda:"):
         raise ConfigError(
             f"--nproc-per-node: rank k trains on GPU k; give --device cuda (or auto), not {cfg.device!r}"
         )
@@ -419,7 +411,7 @@ FLAGS: tuple[Flag, ...] = (
             "Rank 0 is the node's own process (the DHT, gRPC, the all-reduce, the outer step, snapshots); "
             "ranks 1..N−1 are its children, each with its own batch every step, gradients averaged "
             "across the ranks. The node's weight in a round is its ranks' tokens; every rank's cursor is "
-            "in its snapshots. Not with `--overlap on`, `--fragments` or `--wire-dtype topk` yet. "
+            "in its snapshots. "
             'docs/design.md "Many GPUs in one node".'
         ),
         group=FlagGroup.TRAINING,

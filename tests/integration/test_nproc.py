@@ -154,8 +154,22 @@ def test_a_two_rank_step_is_the_data_parallel_step_from_rank_0s_broadcast_state(
         assert not all(torch.equal(t, after[0][n]) for n, t in alone.items())
 
 
-def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(tmp_path: Path, reaper) -> None:
-    args = [*SWARM, *RANKS, "--max-outer-steps", "2", "--wait-peers", "1"]
+@pytest.mark.parametrize(
+    ("mode", "steps"),
+    [
+        ((), 10),
+        (("--wire-dtype", "topk"), 10),
+        pytest.param(("--fragments", "2"), 5, marks=pytest.mark.slow),  # rounds of H/K steps
+        pytest.param(("--overlap", "on"), None, marks=pytest.mark.slow),  # steps: as the rounds overlap
+    ],
+    ids=["dense", "topk", "fragments", "overlap"],
+)
+def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(
+    tmp_path: Path, reaper, mode: tuple[str, ...], steps: int | None
+) -> None:
+    """The outer step's modes all hold with a node of several ranks: whatever the mode changes on rank 0
+    (θ_g, θ, the error feedback, a fragment, a step landing mid-phase), every rank then takes its θ."""
+    args = [*SWARM, *RANKS, *mode, "--max-outer-steps", "2", "--wait-peers", "1"]
     nodes = start_swarm(reaper, tmp_path, 2, args, extra=[TWO_RANKS, ()])
     for node in nodes:
         assert node.wait(180) == 0, node.log()[-3000:]
@@ -165,9 +179,13 @@ def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(tmp_p
         assert len({m[outer]["global_digest"] for m in metas}) == 1, f"digests differ after round {outer}"
         weights = metas[1][outer]["last_round"]["weights"]
         assert set(weights) == {two, one}, "the 2-rank node is one member"
-        assert weights[one] == 10 * BATCH_TOKENS and weights[two] == 2 * weights[one]
+        if steps is not None:
+            assert weights[one] == steps * BATCH_TOKENS and weights[two] == 2 * weights[one]
+        else:
+            assert weights[one] % BATCH_TOKENS == 0 and weights[two] % (2 * BATCH_TOKENS) == 0
     assert_every_rank_recorded(nodes[0].data_dir, 2)
-    assert metas[0][2]["cursor"]["position"] == 2 * metas[1][2]["cursor"]["position"]  # 2 batches a step
+    if steps is not None:
+        assert metas[0][2]["cursor"]["position"] == 2 * metas[1][2]["cursor"]["position"]  # 2 batches a step
     assert_ledgers_replay(nodes)
     for pid in rank_pids(nodes[0].log()):
         assert gone(pid), f"rank pid {pid} outlived its node's stop"

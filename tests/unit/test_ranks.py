@@ -85,18 +85,6 @@ def test_the_ranks_rng_states_are_optional_tensors() -> None:
     [
         ({"nproc_per_node": 2}, "^--nproc-per-node: at most --max-ranks \\(1\\)"),
         (
-            {"nproc_per_node": 2, "max_ranks": 2, "overlap": "on"},
-            "^--nproc-per-node: not built with --overlap",
-        ),
-        (
-            {"nproc_per_node": 2, "max_ranks": 2, "fragments": 2},
-            "^--nproc-per-node: not built with --fragments",
-        ),
-        (
-            {"nproc_per_node": 2, "max_ranks": 2, "wire_dtype": "topk"},
-            "^--nproc-per-node: not built with --wire-dtype topk",
-        ),
-        (
             {"nproc_per_node": 2, "max_ranks": 2, "device": "cuda:1"},
             "^--nproc-per-node: rank k trains on GPU k",
         ),
@@ -107,6 +95,11 @@ def test_the_ranks_rng_states_are_optional_tensors() -> None:
 def test_combinations_a_node_of_several_ranks_refuses(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         NodeConfig(**settings)
+
+
+@pytest.mark.parametrize("settings", [{"overlap": "on"}, {"fragments": 2}, {"wire_dtype": "topk"}])
+def test_a_node_of_several_ranks_takes_every_outer_step_mode(settings: dict) -> None:
+    assert NodeConfig(nproc_per_node=2, max_ranks=2, **settings).nproc_per_node == 2
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
