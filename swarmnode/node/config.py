@@ -411,8 +411,7 @@ FLAGS: tuple[Flag, ...] = (
             "Rank 0 is the node's own process (the DHT, gRPC, the all-reduce, the outer step, snapshots); "
             "ranks 1..N−1 are its children, each with its own batch every step, gradients averaged "
             "across the ranks. The node's weight in a round is its ranks' tokens; every rank's cursor is "
-            "in its snapshots. "
-            'docs/design.md "Many GPUs in one node".'
+            'in its snapshots. docs/design.md "Many GPUs in one node".'
         ),
         group=FlagGroup.TRAINING,
     ),
