@@ -27,6 +27,9 @@ previous applied round, its work entering θ_g over the next K fragment steps; t
 `cross_check` holds each node's chain against the others' testimony: a round a node's chain keeps (its
 batches counted in the model) must not be one whose average another member recorded without it — the
 batches of a member that died mid-round are in no average, so it must come back at the round's start.
+Only a member that ended the round in the node's model testifies (the same global digest, or either
+unknown): one that applied a part the node never received (or the reverse) holds another model, and
+whichever of the two went astray is repaired onto the other's lineage and its record.
 """
 
 from __future__ import annotations
@@ -229,18 +232,32 @@ def _round(report: LedgerReport, entry: dict[str, Any]) -> None:
 def cross_check(ledgers: Mapping[str, list[dict[str, Any]]]) -> list[str]:
     """Violations of the swarm's ledgers (node id -> entries) taken together: a range a node's chain
     keeps for round r while a member of r's group recorded an average without it (see the module
-    notes). Each node's own replay (`check`) is separate."""
-    left_out: dict[tuple[int, str], str] = {}  # (round, node) -> a member whose average lacked it
+    notes). Each node's own replay (`check`) is separate.
+
+    A recorder testifies of the model it applied: a member whose round ended in another model than the
+    node's (another global digest: one of them missed a part the other applied, so one of them went
+    astray and was repaired from the other's lineage, whose record of the node decides its cursor)
+    says nothing of the batches the node's model holds."""
+    left_out: dict[tuple[int, str], list[tuple[str, str | None]]] = {}
+    """(round, node) -> the members whose average lacked it, with the digest each held after it."""
     for recorder, entries in ledgers.items():
         for entry in entries:
             if entry.get("event") == "settle" and entry.get("group"):
                 for member in set(entry["group"]) - set(entry.get("included", ())):
-                    left_out.setdefault((int(entry["outer_step"]), str(member)), recorder)
+                    witness = (recorder, entry.get("global_digest"))
+                    left_out.setdefault((int(entry["outer_step"]), str(member)), []).append(witness)
     errors = []
     for node_id, entries in ledgers.items():
         report = check(entries)
+        own = digests_by_round(entries)
         for (start, end), step in zip(report.chain, report.chain_steps, strict=True):
-            witness = left_out.get((step, node_id))
+            digest = own.get(step + 1)
+            witnesses = [
+                recorder
+                for recorder, theirs in left_out.get((step, node_id), ())
+                if digest is None or theirs is None or theirs == digest
+            ]
+            witness = witnesses[0] if witnesses else None
             if witness is not None:
                 errors.append(
                     f"node {node_id[:12]}: round {step}'s batches {start}→{end} are counted in its chain, "

@@ -41,6 +41,29 @@ def test_a_member_that_comes_back_at_the_rounds_start_trains_it_again(tmp_path: 
     assert report.retrained == [((1, 0, 80), (1, 0, 160))]
 
 
+def test_a_member_that_applied_another_model_does_not_testify(tmp_path: Path) -> None:
+    """Round 1: the survivor reduced its part alone and applied it, while the victim, alive, never
+    received that part (it gave the survivor up as silent) and applied the rest: their digests differ,
+    so one of them is astray and will be repaired onto the other's lineage; the survivor's record is
+    not the victim's model's. With the same digest it is."""
+    survivor, victim = Ledger(tmp_path / "s", SURVIVOR), Ledger(tmp_path / "v", VICTIM)
+    for ledger in (survivor, victim):
+        ledger.adopt(cursor(0), "fresh", 0)
+        ledger.round(0, cursor(0), cursor(80))
+        ledger.settle(0, "applied", 2, "d1", group=(SURVIVOR, VICTIM), included=(SURVIVOR, VICTIM))
+        ledger.round(1, cursor(80), cursor(160))
+    survivor.settle(1, "applied", 2, "d2-survivor", group=(SURVIVOR, VICTIM), included=(SURVIVOR,))
+    victim.settle(1, "applied", 2, "d2-victim", group=(SURVIVOR, VICTIM), included=(SURVIVOR, VICTIM))
+    ledgers = {SURVIVOR: read_ledger(tmp_path / "s"), VICTIM: read_ledger(tmp_path / "v")}
+    assert cross_check(ledgers) == []
+    same = {
+        node: [{**e, "global_digest": "d2"} if e.get("outer_step") == 1 else e for e in entries]
+        for node, entries in ledgers.items()
+    }
+    errors = cross_check(same)
+    assert len(errors) == 1 and "round 1" in errors[0] and VICTIM[:12] in errors[0], errors
+
+
 def test_a_carried_round_is_covered_again_by_the_next(tmp_path: Path) -> None:
     """A live member whose part came late carries its Δ: its round settles `carried` and the next
     round's range starts where its committed cursor stayed."""
