@@ -244,20 +244,22 @@ def cross_check(ledgers: Mapping[str, list[dict[str, Any]]]) -> list[str]:
         for entry in entries:
             if entry.get("event") == "settle" and entry.get("group"):
                 for member in set(entry["group"]) - set(entry.get("included", ())):
-                    witness = (recorder, entry.get("global_digest"))
-                    left_out.setdefault((int(entry["outer_step"]), str(member)), []).append(witness)
+                    testimony = (recorder, entry.get("global_digest"))
+                    left_out.setdefault((int(entry["outer_step"]), str(member)), []).append(testimony)
     errors = []
     for node_id, entries in ledgers.items():
         report = check(entries)
         own = digests_by_round(entries)
         for (start, end), step in zip(report.chain, report.chain_steps, strict=True):
             digest = own.get(step + 1)
-            witnesses = [
-                recorder
-                for recorder, theirs in left_out.get((step, node_id), ())
-                if digest is None or theirs is None or theirs == digest
-            ]
-            witness = witnesses[0] if witnesses else None
+            witness = next(
+                (
+                    recorder
+                    for recorder, theirs in left_out.get((step, node_id), ())
+                    if digest is None or theirs is None or theirs == digest
+                ),
+                None,
+            )
             if witness is not None:
                 errors.append(
                     f"node {node_id[:12]}: round {step}'s batches {start}→{end} are counted in its chain, "
