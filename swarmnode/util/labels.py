@@ -132,3 +132,5 @@ class Exclusion(StrEnum):
     """Its norm is over --max-norm-ratio times the part's median contribution norm."""
     NONFINITE = "nonfinite"
     """It holds NaN or Inf."""
+    OPPOSED = "opposed"
+    """It points against the part's coordinate-wise median (a minority's, dense wires only)."""

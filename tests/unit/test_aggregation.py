@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from swarmnode.core import sparse
 from swarmnode.swarm.averaging.aggregation import (
     CLIP_MIN_VALUES,
     CLIP_RADIUS,
@@ -74,14 +75,14 @@ def test_one_member_whatever_it_sends_moves_the_result_by_at_most_the_radius(mem
 
 
 def test_the_screen_still_leaves_out_the_non_finite_and_the_huge_and_clips_the_rest() -> None:
-    honest = honest_deltas(3)
+    honest = honest_deltas(4)
     nan = honest[0].clone()
     nan[7] = float("nan")
-    contributions = [(0, 1.0, honest[0]), (1, 1.0, honest[1]), (2, 1.0, honest[2]), (3, 1.0, nan)]
-    contributions += [(4, 1.0, -7 * honest[0]), (5, 1.0, 1e4 * honest[1])]
+    contributions = [(k, 1.0, honest[k]) for k in range(4)] + [(4, 1.0, nan)]
+    contributions += [(5, 1.0, -3 * honest[0]), (6, 1.0, 7 * honest[1]), (7, 1.0, 1e4 * honest[2])]
     averaged = average(contributions, "fp32", N)
-    assert dict(averaged.excluded) == {3: "nonfinite", 5: "norm"}
-    assert averaged.included == (0, 1, 2, 4) and 4 in averaged.clipped
+    assert dict(averaged.excluded) == {4: "nonfinite", 5: "opposed", 7: "norm"}
+    assert averaged.included == (0, 1, 2, 3, 6) and 6 in averaged.clipped
 
 
 def test_two_members_are_averaged_as_they_are() -> None:
@@ -95,7 +96,7 @@ def test_two_members_are_averaged_as_they_are() -> None:
 
 def test_the_clipped_result_travels_on_every_wire() -> None:
     honest = honest_deltas(3)
-    rows = [*honest, -7 * honest[0]]
+    rows = [*honest, 7 * honest[0]]  # far, but along the others (pointing against them: left out)
     reference = torch.empty(N)
     centered_clip([(k, 1.0, x) for k, x in enumerate(rows)], reference)
     for wire in ("bf16", "int8", "int4"):
@@ -120,7 +121,7 @@ def test_a_part_of_a_few_values_is_the_plain_mean() -> None:
     assert averaged.clipped == () and averaged.values is not None
     assert torch.allclose(averaged.values, torch.stack(rows).mean(0))
     wide = [torch.randn(CLIP_MIN_VALUES, generator=g) for _ in range(3)]
-    wide.append(-7 * wide[0])
+    wide.append(7 * wide[0])
     assert 3 in average([(k, 1.0, x) for k, x in enumerate(wide)], "fp32", CLIP_MIN_VALUES).clipped
 
 
@@ -135,3 +136,38 @@ def test_the_median_network_gives_the_sorted_middle_for_any_group_size(k: int) -
     originals = [row.clone() for row in rows]
     assert torch.equal(coordinate_median(rows), expected)
     assert all(torch.equal(a, b) for a, b in zip(rows, originals, strict=True))  # inputs untouched
+
+
+@pytest.mark.parametrize("members", [3, 4, 8])
+@pytest.mark.parametrize("k", [1.0, 2.0, 4.0, 7.0])
+def test_a_member_pointing_against_the_others_is_left_out_on_a_dense_wire(members: int, k: float) -> None:
+    """A flip at 1-4x its norm stays near the clip radius, where CenteredClip lets it pull the result
+    by about the radius; left out, the round is the honest members' mean."""
+    honest = honest_deltas(members - 1, spread=1.0)
+    rows = [*honest, -k * honest[0]]
+    averaged = average([(i, 1.0, x) for i, x in enumerate(rows)], "fp32", N)
+    assert dict(averaged.excluded) == {members - 1: "opposed"}
+    assert averaged.values is not None and averaged.included == tuple(range(members - 1))
+    assert torch.allclose(averaged.values, torch.stack(honest).mean(0), atol=1e-6)
+
+
+def test_honest_rounds_and_an_opposed_majority_leave_nobody_out() -> None:
+    """Honest members of the same round point the same way; a majority against the median is no
+    minority to leave out (CenteredClip bounds the round as before)."""
+    for members in (3, 4, 8):
+        for spread in (0.5, 1.0, 1.5):
+            honest = honest_deltas(members, spread=spread, seed=members)
+            assert average([(i, 1.0, x) for i, x in enumerate(honest)], "fp32", N).excluded == ()
+    honest = honest_deltas(2)
+    rows = [*honest, -honest[0], -honest[1]]
+    assert average([(i, 1.0, x) for i, x in enumerate(rows)], "fp32", N).excluded == ()
+
+
+def test_a_top_k_wire_is_not_screened_for_direction() -> None:
+    """A sparse contribution's inner product with the median (zero where fewer than two members kept
+    values of one sign) says little of it: the top-k wire clips only."""
+    honest = honest_deltas(3)
+    rows = [*honest, -2 * honest[0]]
+    known = [(i, 1.0, x) for i, x in enumerate(rows)]
+    assert average(known, "fp32", N).excluded == ((3, "opposed"),)
+    assert average(known, sparse.wire_name(41), N).excluded == ()

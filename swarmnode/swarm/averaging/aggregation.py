@@ -14,6 +14,15 @@ Three steps, each on one part of Δ (a reducer's slice; every member's contribut
    any norm under the screen — so a minority's influence is bounded by the honest members' own spread,
    not by its own norm. (A member that stays within FAR × the median distance is not clipped: its pull
    is at most (w/Σw)·FAR times that distance, the bound's other half.)
+   Before it, **opposed** (`opposed_filter`, dense wires): a minority of contributions whose inner
+   product with that coordinate-wise median is negative — pointing against what most members moved —
+   is left out. CenteredClip alone bounds such a member's pull by the radius, and a flip of the
+   member's own Δ at 1–4 × its norm stays near the radius (τ ≈ the honest spread, which over a long
+   inner phase is as large as the step itself): measured, it cost 6–7% of the held-out loss in 10
+   rounds. An honest contribution lies at a cosine of 0.5–0.95 to the median (H = 10–100, 3–4
+   members: docs/benchmarks.md "Robust outer step"), so an honest round leaves nobody out. Not on a
+   top-k wire: there the median is zero except where two members' kept values agree in sign, so the
+   inner product says little of a member.
 3. **Mean** when nobody is far: the plain token-weighted mean in member order (`average`), bit for bit
    what an honest round gave before, so honest rounds pay the median and the distances and nothing in
    their result.
@@ -57,6 +66,8 @@ CLIP_MIN_VALUES = 64
 Contribution = tuple[int, float, "torch.Tensor | bytearray | memoryview"]
 """(member index, token weight, values or their wire image)."""
 _Weighted = list[tuple[int, float, torch.Tensor]]
+_Centre = tuple[list[torch.Tensor], torch.Tensor]
+"""Contributions' values as fp32 rows, and their coordinate-wise median."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,13 @@ def average(
     if not kept:
         return Averaged(excluded=excluded)
     acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
-    clipped = centered_clip(kept, acc) if clip and math.isfinite(max_norm_ratio) else None
+    clipped = None
+    if clip and math.isfinite(max_norm_ratio):
+        known = None
+        if not is_sparse(wire_dtype):
+            kept, opposed, known = opposed_filter(kept)
+            excluded += opposed
+        clipped = centered_clip(kept, acc, known=known)
     if clipped is None:
         _weighted_mean(kept, acc, scratch)
     included = tuple(index for index, _, _ in kept)
@@ -158,20 +175,43 @@ def robust_filter(
     return kept, tuple(excluded)
 
 
+def opposed_filter(
+    contributions: _Weighted,
+) -> tuple[_Weighted, tuple[tuple[int, Exclusion], ...], _Centre | None]:
+    """Leaves out a minority of contributions that point against the coordinate-wise median (a negative
+    inner product with it: see the module notes). Returns the kept contributions, the left-out ones, and
+    the kept ones' fp32 rows and median when they are still theirs (nothing left out; None otherwise, or
+    when the group or part is too small to tell, as for CenteredClip)."""
+    if len(contributions) < CLIP_MIN_MEMBERS or contributions[0][2].numel() < CLIP_MIN_VALUES:
+        return contributions, (), None
+    rows = [values.float() for _, _, values in contributions]
+    centre = coordinate_median(rows)
+    opposed = {index for (index, _, _), x in zip(contributions, rows, strict=True) if _dot(x, centre) < 0}
+    if not opposed or 2 * len(opposed) >= len(contributions):  # a majority is no minority to leave out
+        return contributions, (), (rows, centre)
+    kept = [c for c in contributions if c[0] not in opposed]
+    return kept, tuple((index, Exclusion.OPPOSED) for index in sorted(opposed)), None
+
+
 def centered_clip(
     contributions: _Weighted,
     out: torch.Tensor,
     radius: float = CLIP_RADIUS,
     iterations: int = CLIP_ITERATIONS,
+    known: _Centre | None = None,
 ) -> tuple[int, ...] | None:
     """CenteredClip of finite contributions into `out` (see the module notes); returns the members it
     clipped, or None — `out` untouched — when every contribution lies within the radius of the
     coordinate-wise median, or there are fewer than CLIP_MIN_MEMBERS or CLIP_MIN_VALUES (the weighted
-    mean is then the answer)."""
+    mean is then the answer). `known`: their fp32 rows and coordinate-wise median (which this changes),
+    if already made."""
     if len(contributions) < CLIP_MIN_MEMBERS or contributions[0][2].numel() < CLIP_MIN_VALUES:
         return None
-    rows = [values.float() for _, _, values in contributions]
-    centre = coordinate_median(rows)
+    if known is None:
+        rows = [values.float() for _, _, values in contributions]
+        centre = coordinate_median(rows)
+    else:
+        rows, centre = known
     buffer = torch.empty_like(centre)
     distances = [_distance(x, centre, buffer) for x in rows]
     median_distance = statistics.median(distances)
@@ -234,6 +274,10 @@ def _median_network(k: int) -> tuple[tuple[int, int], ...]:
             kept.append((a, b))
             needed |= {a, b}
     return tuple(reversed(kept))
+
+
+def _dot(x: torch.Tensor, centre: torch.Tensor) -> float:
+    return float(torch.dot(x, centre))
 
 
 def _distance(x: torch.Tensor, centre: torch.Tensor, buffer: torch.Tensor) -> float:
