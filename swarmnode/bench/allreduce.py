@@ -21,7 +21,8 @@ default density) sends each contribution to every member instead ((N − 1) imag
 `--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, the
 plain mean) in the same run: `robust` (the robust outer step of an honest round: the norm screen, the
 coordinate-wise median and the distances that find nobody far, then the mean), `clipped` (the same when
-member 0 sends −7 × its Δ, so every part clips: CenteredClip's three iterations), `signed` (signed
+member 0 sends 7 × its Δ, far but not against the others, so every part clips: CenteredClip's three
+iterations), `signed` (signed
 headers and chunks: token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), each
 robust.
 """
@@ -51,8 +52,9 @@ from swarmnode.util.errors import ConfigError
 WORKER_START_S = 120.0
 ROUND_TIMEOUT_S = 300.0
 TRUST_MODES = ("plain", "robust", "clipped", "signed", "tls")
-CLIPPED_SCALE = -7.0
-"""Member 0's Δ in the `clipped` mode: under the norm screen's 8, far beyond the others'."""
+CLIPPED_SCALE = 7.0
+"""Member 0's Δ in the `clipped` mode: under the norm screen's 8, far beyond the others' (a flip would be
+left out as `opposed`, which costs less than a clip)."""
 
 
 def bench_trust(preset_name: str, nodes: int = 3, rounds: int = 3) -> BenchResult:
