@@ -1,10 +1,18 @@
 """The robust outer step's maths: what a reducer makes of its part's contributions (no gRPC, no I/O).
 
-Three steps, each on one part of Δ (a reducer's slice; every member's contribution to it):
+Four steps, each on one part of Δ (a reducer's slice; every member's contribution to it):
 
 1. **Screen** (`robust_filter`): a contribution holding NaN/Inf is left out, and so is one whose L2 norm
    is over `max_norm_ratio` × the lower median of the part's norms (`--max-norm-ratio`).
-2. **CenteredClip** (`centered_clip`; Karimireddy, He and Jaggi 2021, "Learning from History for
+2. **Opposed** (`opposed_filter`, dense wires): a minority of contributions whose inner product with the
+   contributions' coordinate-wise median is negative — pointing against what most members moved — is
+   left out. CenteredClip (next) bounds such a member's pull only by its radius, the honest members'
+   spread, which over a long inner phase is as large as the step itself, and a flip of a member's own
+   Δ at a few times its norm lies near that radius; honest contributions of one round point the same
+   way, so an honest round leaves nobody out (both measured: docs/benchmarks.md "Robust outer step").
+   Not on a top-k wire: there the median is zero except where two members' kept values agree in sign,
+   so the inner product says little of a member.
+3. **CenteredClip** (`centered_clip`; Karimireddy, He and Jaggi 2021, "Learning from History for
    Byzantine Robust Optimization"; Gorbunov et al. 2022, "Secure Distributed Training at Scale", the
    aggregator of hivemind's BTARD), once any contribution lies farther than FAR × the median distance
    of the contributions to their coordinate-wise median (a start a minority cannot move outside the
@@ -14,16 +22,7 @@ Three steps, each on one part of Δ (a reducer's slice; every member's contribut
    any norm under the screen — so a minority's influence is bounded by the honest members' own spread,
    not by its own norm. (A member that stays within FAR × the median distance is not clipped: its pull
    is at most (w/Σw)·FAR times that distance, the bound's other half.)
-   Before it, **opposed** (`opposed_filter`, dense wires): a minority of contributions whose inner
-   product with that coordinate-wise median is negative — pointing against what most members moved —
-   is left out. CenteredClip alone bounds such a member's pull by the radius, and a flip of the
-   member's own Δ at 1–4 × its norm stays near the radius (τ ≈ the honest spread, which over a long
-   inner phase is as large as the step itself): measured, it cost 6–7% of the held-out loss in 10
-   rounds. An honest contribution lies at a cosine of 0.5–0.95 to the median (H = 10–100, 3–4
-   members: docs/benchmarks.md "Robust outer step"), so an honest round leaves nobody out. Not on a
-   top-k wire: there the median is zero except where two members' kept values agree in sign, so the
-   inner product says little of a member.
-3. **Mean** when nobody is far: the plain token-weighted mean in member order (`average`), bit for bit
+4. **Mean** when nobody is far: the plain token-weighted mean in member order (`average`), bit for bit
    what an honest round gave before, so honest rounds pay the median and the distances and nothing in
    their result.
 
