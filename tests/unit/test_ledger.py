@@ -13,15 +13,21 @@ def cursor(position: int) -> dict[str, int]:
     return {"shard": 1, "epoch": 0, "position": position}
 
 
-def two_rounds(tmp_path: Path, victim_adopts: int) -> dict[str, list[dict]]:
-    """Round 0 averages both; in round 1 the victim dies before its parts arrive (the survivor's average
-    leaves it out), then comes back at `victim_adopts`."""
+def into_round_one(tmp_path: Path) -> tuple[Ledger, Ledger]:
+    """The survivor's and the victim's ledgers: round 0 averaged both, round 1's range is trained."""
     survivor, victim = Ledger(tmp_path / "s", SURVIVOR), Ledger(tmp_path / "v", VICTIM)
     for ledger in (survivor, victim):
         ledger.adopt(cursor(0), "fresh", 0)
         ledger.round(0, cursor(0), cursor(80))
         ledger.settle(0, "applied", 2, "d1", group=(SURVIVOR, VICTIM), included=(SURVIVOR, VICTIM))
         ledger.round(1, cursor(80), cursor(160))
+    return survivor, victim
+
+
+def two_rounds(tmp_path: Path, victim_adopts: int) -> dict[str, list[dict]]:
+    """Round 0 averages both; in round 1 the victim dies before its parts arrive (the survivor's average
+    leaves it out), then comes back at `victim_adopts`."""
+    survivor, victim = into_round_one(tmp_path)
     survivor.settle(1, "applied", 2, "d2", group=(SURVIVOR, VICTIM), included=(SURVIVOR,))
     victim.adopt(cursor(victim_adopts), "peer", 2)  # the round-1 range is pending: the adopt settles it
     return {SURVIVOR: read_ledger(tmp_path / "s"), VICTIM: read_ledger(tmp_path / "v")}
@@ -46,12 +52,7 @@ def test_a_member_that_applied_another_model_does_not_testify(tmp_path: Path) ->
     received that part (it gave the survivor up as silent) and applied the rest: their digests differ,
     so one of them is astray and will be repaired onto the other's lineage; the survivor's record is
     not the victim's model's. With the same digest it is."""
-    survivor, victim = Ledger(tmp_path / "s", SURVIVOR), Ledger(tmp_path / "v", VICTIM)
-    for ledger in (survivor, victim):
-        ledger.adopt(cursor(0), "fresh", 0)
-        ledger.round(0, cursor(0), cursor(80))
-        ledger.settle(0, "applied", 2, "d1", group=(SURVIVOR, VICTIM), included=(SURVIVOR, VICTIM))
-        ledger.round(1, cursor(80), cursor(160))
+    survivor, victim = into_round_one(tmp_path)
     survivor.settle(1, "applied", 2, "d2-survivor", group=(SURVIVOR, VICTIM), included=(SURVIVOR,))
     victim.settle(1, "applied", 2, "d2-victim", group=(SURVIVOR, VICTIM), included=(SURVIVOR, VICTIM))
     ledgers = {SURVIVOR: read_ledger(tmp_path / "s"), VICTIM: read_ledger(tmp_path / "v")}
