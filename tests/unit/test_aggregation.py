@@ -12,6 +12,7 @@ from swarmnode.core import sparse
 from swarmnode.swarm.averaging.aggregation import (
     CLIP_MIN_VALUES,
     CLIP_RADIUS,
+    OPPOSED_SHARE,
     average,
     centered_clip,
     coordinate_median,
@@ -171,3 +172,21 @@ def test_a_top_k_wire_is_not_screened_for_direction() -> None:
     known = [(i, 1.0, x) for i, x in enumerate(rows)]
     assert average(known, "fp32", N).excluded == ((3, "opposed"),)
     assert average(known, sparse.wire_name(41), N).excluded == ()
+
+
+def test_a_member_slightly_against_a_round_of_little_agreement_is_kept() -> None:
+    """Late in training the members' Δs are mostly noise and agree little: a member a little against
+    their median is one of them, not an attacker (it is left out only when it points against the
+    median at least OPPOSED_SHARE as much as the members point along it)."""
+    honest = honest_deltas(3, spread=6.0)
+    g = torch.Generator().manual_seed(7)
+    common = torch.stack(honest).mean(0)
+    for lean, left_out in ((1.0, False), (3.0, True)):
+        rows = [*honest, 6.0 * torch.randn(N, generator=g) - lean * common]
+        centre = coordinate_median(rows)
+        cosines = [float(x.dot(centre) / x.norm() / centre.norm()) for x in rows]
+        assert cosines[3] < 0 and (cosines[3] < -OPPOSED_SHARE * statistics.median(cosines)) == left_out, (
+            cosines
+        )
+        averaged = average([(i, 1.0, x) for i, x in enumerate(rows)], "fp32", N)
+        assert averaged.excluded == (((3, "opposed"),) if left_out else ()), cosines

@@ -4,14 +4,15 @@ Four steps, each on one part of Δ (a reducer's slice; every member's contributi
 
 1. **Screen** (`robust_filter`): a contribution holding NaN/Inf is left out, and so is one whose L2 norm
    is over `max_norm_ratio` × the lower median of the part's norms (`--max-norm-ratio`).
-2. **Opposed** (`opposed_filter`, dense wires): a minority of contributions whose inner product with the
-   contributions' coordinate-wise median is negative — pointing against what most members moved — is
-   left out. CenteredClip (next) bounds such a member's pull only by its radius, the honest members'
-   spread, which over a long inner phase is as large as the step itself, and a flip of a member's own
-   Δ at a few times its norm lies near that radius; honest contributions of one round point the same
-   way, so an honest round leaves nobody out (both measured: docs/benchmarks.md "Robust outer step").
-   Not on a top-k wire: there the median is zero except where two members' kept values agree in sign,
-   so the inner product says little of a member.
+2. **Opposed** (`opposed_filter`, dense wires): a minority of contributions that point against the
+   contributions' coordinate-wise median — a negative cosine to it, at least OPPOSED_SHARE as large as
+   the part's median cosine is positive: against what most members moved — is left out. CenteredClip
+   (next) bounds such a member's pull only by its radius, the honest members' spread, which over a long
+   inner phase is as large as the step itself, and a flip of a member's own Δ at a few times its norm
+   lies near that radius; honest contributions of one round point the same way, so an honest round
+   leaves nobody out (both measured: docs/benchmarks.md "Robust outer step"). Not on a top-k wire:
+   there the median is zero except where two members' kept values agree in sign, so the cosine says
+   little of a member.
 3. **CenteredClip** (`centered_clip`; Karimireddy, He and Jaggi 2021, "Learning from History for
    Byzantine Robust Optimization"; Gorbunov et al. 2022, "Secure Distributed Training at Scale", the
    aggregator of hivemind's BTARD), once any contribution lies farther than FAR × the median distance
@@ -58,6 +59,10 @@ reducer clip; with none that far, the round is the plain mean."""
 CLIP_RADIUS = 1.0
 """τ as a multiple of the median distance of a part's contributions to their coordinate-wise median
 (1.0 against 0.5 and 2.0: docs/benchmarks.md "Robust outer step")."""
+OPPOSED_SHARE = 0.25
+"""A contribution is opposed when it points against the coordinate-wise median at least this share as
+strongly (cosine, against the median cosine of the part's contributions) as the part's contributions
+point along it: a round whose honest members agree little (late in training, all noise) leaves none out."""
 CLIP_ITERATIONS = 3
 CLIP_MIN_MEMBERS = 3
 CLIP_MIN_VALUES = 64
@@ -185,7 +190,9 @@ def opposed_filter(
         return contributions, (), None
     rows = [values.float() for _, _, values in contributions]
     centre = coordinate_median(rows)
-    opposed = {index for (index, _, _), x in zip(contributions, rows, strict=True) if _dot(x, centre) < 0}
+    along = [_along(x, centre) for x in rows]
+    bar = -OPPOSED_SHARE * statistics.median(along)
+    opposed = {index for (index, _, _), a in zip(contributions, along, strict=True) if a < min(bar, 0.0)}
     if not opposed or 2 * len(opposed) >= len(contributions):  # a majority is no minority to leave out
         return contributions, (), (rows, centre)
     kept = [c for c in contributions if c[0] not in opposed]
@@ -275,8 +282,10 @@ def _median_network(k: int) -> tuple[tuple[int, int], ...]:
     return tuple(reversed(kept))
 
 
-def _dot(x: torch.Tensor, centre: torch.Tensor) -> float:
-    return float(torch.dot(x, centre))
+def _along(x: torch.Tensor, centre: torch.Tensor) -> float:
+    """How far x points along the centre, per unit of its own norm (the cosine times ‖centre‖)."""
+    norm = float(torch.linalg.vector_norm(x))
+    return float(torch.dot(x, centre)) / norm if norm > 0 else 0.0
 
 
 def _distance(x: torch.Tensor, centre: torch.Tensor, buffer: torch.Tensor) -> float:
