@@ -20,11 +20,10 @@ default density) sends each contribution to every member instead ((N − 1) imag
 
 `--trust` also measures what trust costs, in bf16, against the plain all-reduce (headers trusted, the
 plain mean) in the same run: `robust` (the robust outer step of an honest round: the norm screen, the
-coordinate-wise median and the distances that find nobody far, then the mean), `clipped` (the same when
-member 0 sends 7 × its Δ, far but not against the others, so every part clips: CenteredClip's three
-iterations), `signed` (signed
-headers and chunks: token-only swarms) and `tls` (mutual TLS, certificates naming the node ids), each
-robust.
+coordinate-wise median, the cosines that find nobody opposed and the distances that find nobody far,
+then the mean), `clipped` (the same when member 0 sends 7 × its Δ, far but not against the others, so
+every part clips: CenteredClip's three iterations), `signed` (signed headers and chunks: token-only
+swarms) and `tls` (mutual TLS, certificates naming the node ids), each robust.
 """
 
 from __future__ import annotations

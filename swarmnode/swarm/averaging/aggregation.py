@@ -182,10 +182,11 @@ def robust_filter(
 def opposed_filter(
     contributions: _Weighted,
 ) -> tuple[_Weighted, tuple[tuple[int, Exclusion], ...], _Centre | None]:
-    """Leaves out a minority of contributions that point against the coordinate-wise median (a negative
-    inner product with it: see the module notes). Returns the kept contributions, the left-out ones, and
-    the kept ones' fp32 rows and median when they are still theirs (nothing left out; None otherwise, or
-    when the group or part is too small to tell, as for CenteredClip)."""
+    """Leaves out a minority of contributions that point against the coordinate-wise median (a cosine
+    to it below −OPPOSED_SHARE × the contributions' median cosine: see the module notes). Returns the
+    kept contributions, the left-out ones, and the kept ones' fp32 rows and median when they are still
+    theirs (nothing left out; None otherwise, or when the group or part is too small to tell, as for
+    CenteredClip)."""
     if len(contributions) < CLIP_MIN_MEMBERS or contributions[0][2].numel() < CLIP_MIN_VALUES:
         return contributions, (), None
     rows = [values.float() for _, _, values in contributions]
