@@ -37,6 +37,7 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
+from swarmnode.core import sharding
 from swarmnode.core.data import ShardLoader
 from swarmnode.core.diloco import InnerTrainer
 from swarmnode.util import faults
@@ -54,6 +55,8 @@ class RankCommand(StrEnum):
     """One inner step at rank 0's learning rate (the argument)."""
     SYNC = "sync"
     """Rank 0's θ, moments, Adam step, grad scaler and cursor to every rank."""
+    PULL = "pull"
+    """Sharded ranks (`--shard-model`): every shard of θ and the moments gathered whole to rank 0."""
     GATHER = "gather"
     """Every rank's cursor and RNG states to rank 0 (a snapshot)."""
     RNG = "rng"
@@ -142,29 +145,56 @@ class RankGroup:
             offset += p.numel()
         return float(flat[total].item())
 
-    def broadcast_state(self, trainer: InnerTrainer, loader: ShardLoader) -> None:
-        """Rank 0's θ, AdamW moments and step, grad scaler and cursor, onto every rank."""
+    def mean_loss(self, params: Sequence[torch.Tensor], loss: torch.Tensor) -> float:
+        """The mean of the ranks' losses (sharded ranks: FSDP has already averaged the gradients)."""
+        flat = loss.detach().float().reshape(1).to(self._comm)
+        with _rank_failure(f"rank {self.rank}'s loss all-reduce"):
+            dist.all_reduce(flat)
+        return float(flat.item()) / self.world
+
+    def broadcast_state(
+        self, trainer: InnerTrainer, loader: ShardLoader, mirror: InnerTrainer | None = None
+    ) -> None:
+        """Rank 0's θ, AdamW moments and step, grad scaler and cursor, onto every rank. `trainer` is this
+        rank's; with sharded ranks rank 0 gives its `mirror` too (the source: `core/sharding.py`)."""
+        source = mirror if mirror is not None else trainer
         header = torch.zeros(6, dtype=torch.float64)
         if self.rank == 0:
-            scaler = trainer.precision.state_metadata().get("grad_scaler", {})
+            scaler = source.precision.state_metadata().get("grad_scaler", {})
             cursor = loader.state_dict()
             header.copy_(
                 torch.tensor(
-                    [trainer.adam_step, cursor["shard"], cursor["epoch"], cursor["position"]]
+                    [source.adam_step, cursor["shard"], cursor["epoch"], cursor["position"]]
                     + [scaler.get("scale", 0.0), scaler.get("growth_tracker", 0)],
                     dtype=torch.float64,
                 )
             )
         with _rank_failure(f"rank {self.rank}'s state broadcast"):
             header = self._broadcast(header)
-            with torch.no_grad():
-                for tensor in trainer.inner_state().values():
-                    if self._comm == tensor.device:
-                        dist.broadcast(tensor, 0)
-                    else:
-                        tensor.copy_(self._broadcast(tensor))
+            state = trainer.inner_state()
+            if sharding.is_sharded(state):
+                sharding.push(state, mirror.inner_state() if mirror is not None else None)
+            else:
+                self._broadcast_all(state)
         if self.rank != 0:
             self._take_header(trainer, loader, [int(v) if i < 4 else float(v) for i, v in enumerate(header)])
+        elif mirror is not None:
+            trainer.set_adam_step(mirror.adam_step)
+
+    @torch.no_grad()
+    def _broadcast_all(self, state: Mapping[str, torch.Tensor]) -> None:
+        for tensor in state.values():
+            if self._comm == tensor.device:
+                dist.broadcast(tensor, 0)
+            else:
+                tensor.copy_(self._broadcast(tensor))
+
+    def pull_state(self, trainer: InnerTrainer, mirror: InnerTrainer | None) -> None:
+        """Sharded ranks: θ and the moments gathered whole into rank 0's `mirror` (None elsewhere)."""
+        with _rank_failure(f"rank {self.rank}'s gather of its shards"):
+            sharding.pull(trainer.inner_state(), mirror.inner_state() if mirror is not None else None)
+        if mirror is not None:
+            mirror.set_adam_step(trainer.adam_step)
 
     def _take_header(self, trainer: InnerTrainer, loader: ShardLoader, header: list[float]) -> None:
         adam_step, shard, epoch, position, scale, tracker = header
@@ -257,9 +287,19 @@ class NodeRanks:
         """The other ranks take their inner step at `lr`; rank 0's own step joins their all-reduce."""
         self._send(f"{RankCommand.STEP} {lr!r}")
 
-    def sync(self, trainer: InnerTrainer, loader: ShardLoader) -> None:
+    def sync(self, trainer: InnerTrainer, loader: ShardLoader, sharded: InnerTrainer | None = None) -> None:
+        """Every rank takes rank 0's state: `trainer`'s (with `sharded`: rank 0's own shards, and
+        every rank's, take the mirror `trainer`'s)."""
         self._send(RankCommand.SYNC)
-        self.group.broadcast_state(trainer, loader)
+        if sharded is None:
+            self.group.broadcast_state(trainer, loader)
+        else:
+            self.group.broadcast_state(sharded, loader, mirror=trainer)
+
+    def pull(self, sharded: InnerTrainer, mirror: InnerTrainer) -> None:
+        """The ranks' shards of θ and the moments, whole, into rank 0's `mirror`."""
+        self._send(RankCommand.PULL)
+        self.group.pull_state(sharded, mirror)
 
     def gather(self, loader: ShardLoader) -> RankRecords:
         self._send(RankCommand.GATHER)
@@ -291,6 +331,8 @@ def serve_rank(group: RankGroup, trainer: InnerTrainer, loader: ShardLoader, com
                 faults.hit("rank_step", steps)
             case RankCommand.SYNC:
                 group.broadcast_state(trainer, loader)
+            case RankCommand.PULL:
+                group.pull_state(trainer, None)
             case RankCommand.GATHER:
                 group.gather_records(loader)
             case RankCommand.RNG:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from swarmnode.core import sparse
+from swarmnode.core import sharding, sparse
 from swarmnode.core.data import Corpus, ShardLoader
-from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, Range
+from swarmnode.core.diloco import AveragedDelta, DilocoConfig, DilocoTrainer, InnerTrainer, Range
 from swarmnode.core.fragments import FragmentPlan
 from swarmnode.core.model_spec import ModelSpec
 from swarmnode.core.ranks import NodeRanks
@@ -230,19 +230,42 @@ class TrainingRun:
         device: torch.device,
         metrics: Metrics,
         ranks: NodeRanks | None = None,
+        shard_model: bool = False,
     ) -> None:
         self.identity, self.loader, self.metrics = identity, loader, metrics
         self.ranks = ranks
         """The node's other training ranks (`core/ranks.py`; None: a node of one rank)."""
         self.world = ranks.world if ranks is not None else 1
         self.model_spec = model
+        self.device = device
+        """Where the inner steps run (with `shard_model`, `trainer` is rank 0's host mirror)."""
+        self.sharded: InnerTrainer | None = None
+        """`--shard-model`: rank 0's shards of θ and the moments, which the inner steps train; `trainer`
+        is then the whole state's mirror on the host (`core/sharding.py`)."""
+        if shard_model:
+            assert ranks is not None, "--shard-model needs several ranks"
+            module = sharding.shard_module(model.build(seed, device), ranks.world, device)
+            self.sharded = InnerTrainer(module, diloco, device, model.loss, ranks.group.mean_loss)
+            state = self.sharded.inner_state()
+            held, total = sharding.local_values(state), sum(t.numel() for t in state.values())
+            logger.info(
+                "sharded model: rank 0 holds %d of the %d values of θ and its moments on %s (1/%.2f); the "
+                "whole state's mirror is on the host",
+                held,
+                total,
+                device,
+                total / max(held, 1),
+            )
+            device = torch.device("cpu")
+        self._stale = False
+        """The shards have trained since the mirror last took them (`_fresh` pulls them first)."""
         self.model = model.build(seed, device)
         # torch seeds its generator randomly per process; a run's RNG stream must be a pure function
         # of (seed, node) so that a restarted node continues it exactly.
         torch.manual_seed(
             int.from_bytes(hashlib.sha256(f"{seed}/{identity.node_id}".encode()).digest()[:8], "little")
         )
-        sync = ranks.group.sync_grads if ranks is not None else None
+        sync = ranks.group.sync_grads if ranks is not None and self.sharded is None else None
         self.trainer = DilocoTrainer(self.model, diloco, device, model.loss, sync)
         self.fragments = FragmentPlan(self.trainer.global_flat.numel(), diloco.fragments)
         self.progress = Progress(committed_cursor=loader.state_dict())
@@ -256,7 +279,14 @@ class TrainingRun:
     def _sync_ranks(self) -> None:
         """Every rank takes rank 0's θ, moments and cursor (after anything that changed them here)."""
         if self.ranks is not None:
-            self.ranks.sync(self.trainer, self.loader)
+            self.ranks.sync(self.trainer, self.loader, self.sharded)
+            self._stale = False
+
+    def _fresh(self) -> None:
+        """With sharded ranks: the mirror takes their θ and moments, if they have trained since."""
+        if self._stale and self.ranks is not None and self.sharded is not None:
+            self.ranks.pull(self.sharded, self.trainer)
+            self._stale = False
 
     def publish(self) -> None:
         """Replace the published sample with the state as it is now (on the training thread)."""
@@ -298,7 +328,12 @@ class TrainingRun:
             batch = self.loader.next_batch_of(0, self.world)
             if self.ranks is not None:
                 self.ranks.step(self.trainer.inner_lr_at(self.trainer.schedule_step))
-            loss = self.trainer.inner_step(batch)
+            if self.sharded is None:
+                loss = self.trainer.inner_step(batch)
+            else:
+                loss = self.sharded.inner_step_at(batch, self.trainer.inner_lr_at(self.trainer.schedule_step))
+                self.trainer.schedule_step += 1
+                self._stale = True
             tokens = batch.num_tokens * self.world  # the node's weight: its ranks' tokens
             p.inner_step += 1
             p.round_step += 1
@@ -331,6 +366,7 @@ class TrainingRun:
         assert p.committed_cursor is not None
         in_swarm = len(p.swarm_cursors.keys() - {self.identity.node_id}) > 0
         fragment = self.fragments.for_round(p.outer_step)
+        self._fresh()
         delta = self.fragments.delta_of(self.trainer.pseudo_gradient(), fragment)
         delta = _poisoned(delta, p.outer_step + 1, self._last_average)
         return RoundStart(
@@ -368,6 +404,7 @@ class TrainingRun:
         averaged = self.fragments.lift(averaged, fragment)
         if averaged.covered and faults.find("follow", "delta") is not None:  # (test-only: its target)
             self._last_average = averaged.delta.clone()
+        self._fresh()  # (an overlapped step lands on θ as the inner steps since have moved it)
         if overlapped is None:
             self.trainer.outer_step(averaged)
         else:
@@ -399,6 +436,7 @@ class TrainingRun:
     # ----- the state as a snapshot -----
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        self._fresh()
         return self.trainer.state_tensors()
 
     def snapshot_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -60,6 +60,7 @@ class NodeConfig:
     precision: str = "auto"
     nproc_per_node: int = 1
     max_ranks: int = 1
+    shard_model: str = "off"
     threads: int | None = None
     inner_steps: int = 500
     inner_seconds: float | None = None
@@ -234,6 +235,15 @@ def _check_ranks(cfg: NodeConfig) -> None:
         raise ConfigError(
             f"--nproc-per-node: rank k trains on GPU k; give --device cuda (or auto), not {cfg.device!r}"
         )
+    if cfg.shard_model == "on" and cfg.nproc_per_node < 2:
+        raise ConfigError(
+            f"--shard-model: shards θ across the node's ranks; give --nproc-per-node 2 or more, got "
+            f"{cfg.nproc_per_node}"
+        )
+    if cfg.shard_model == "on" and cfg.precision == "fp16":
+        raise ConfigError(
+            "--shard-model: fp16's grad scaler does not take sharded gradients; use bf16 or fp32"
+        )
 
 
 def _check_port_clashes(cfg: NodeConfig) -> None:
@@ -297,6 +307,8 @@ class Flag:
     metavar: str | None = None
     group: FlagGroup | None = None
     details: str = ""
+    bare: str | None = None
+    """The value the option means when given without one (`--shard-model` alone: on)."""
 
     @property
     def option(self) -> str:
@@ -308,7 +320,8 @@ class Flag:
         return "SWARMNODE_" + self.option[2:].replace("-", "_").upper()
 
 
-OVERLAP_CHOICES = ("off", "on")
+SWITCH_CHOICES = ("off", "on")
+OVERLAP_CHOICES = SWITCH_CHOICES
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -412,6 +425,22 @@ FLAGS: tuple[Flag, ...] = (
             "ranks 1..N−1 are its children, each with its own batch every step, gradients averaged "
             "across the ranks. The node's weight in a round is its ranks' tokens; every rank's cursor is "
             'in its snapshots. docs/design.md "Many GPUs in one node".'
+        ),
+        group=FlagGroup.TRAINING,
+    ),
+    Flag(
+        "shard_model",
+        flag_values.choice(SWITCH_CHOICES),
+        "on (or the flag alone): the node's ranks hold θ, its gradients and AdamW's moments in shards "
+        "(FSDP2), for a model that does not fit one GPU; needs --nproc-per-node 2 or more",
+        choices=SWITCH_CHOICES,
+        bare="on",
+        details=(
+            "Each rank keeps 1/N of the training state on its device; rank 0 keeps a whole fp32 copy of θ "
+            "and the moments on its host for Δ, the outer step, the held-out loss and snapshots, gathered "
+            "from the shards after the inner phase and scattered back after the outer step. Node-local: "
+            "not in the run digest, and its snapshots are any node's. fp16 is refused with it. "
+            'docs/design.md "Sharded ranks".'
         ),
         group=FlagGroup.TRAINING,
     ),
@@ -800,6 +829,17 @@ def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         # The values are checked by `parse_flag` (so that a flag, its variable and its TOML key fail
         # alike), not by argparse: the metavar shows the choices.
         section = sections[flag.group] if flag.group is not None else ungrouped
+        if flag.bare is not None:  # (a switch: the option alone means `bare`)
+            section.add_argument(
+                flag.option,
+                dest=flag.field,
+                default=None,
+                metavar=metavar(flag),
+                help=help_text(flag),
+                nargs="?",
+                const=flag.bare,
+            )
+            continue
         section.add_argument(
             flag.option, dest=flag.field, default=None, metavar=metavar(flag), help=help_text(flag)
         )

@@ -176,6 +176,7 @@ def _start_ranks(
         weight_decay=diloco.weight_decay,
         betas=diloco.betas,
         grad_clip=diloco.grad_clip,
+        shard_model=cfg.shard_model == "on",
     )
     return RankProcesses.start(spec, checked.device)
 
@@ -212,6 +213,7 @@ def _assemble_run(
         checked.device,
         metrics,
         ranks.ranks if ranks is not None else None,
+        shard_model=cfg.shard_model == "on",
     )
     checkpointer = SpeculativeCheckpointer(
         CheckpointerConfig(
@@ -248,7 +250,7 @@ def _log_built(parts: NodeParts, corpus: str, tokens: int) -> None:
         cfg.model,
         count_parameters(run.model),
         run.state_bytes() / 1e6,
-        run.trainer.device,
+        run.device,
         run.trainer.precision.precision,
         corpus,
         tokens,

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from swarmnode.core import sharding
 from swarmnode.core.data import ShardLoader, load_corpus
 from swarmnode.core.diloco import DilocoConfig, InnerTrainer
 from swarmnode.core.model import configure_determinism
@@ -68,6 +69,8 @@ class RankSpec:
     weight_decay: float
     betas: tuple[float, float]
     grad_clip: float
+    shard_model: bool = False
+    """`--shard-model`: θ, gradients and moments in shards across the ranks (`core/sharding.py`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -197,7 +200,10 @@ def run_rank(spec: RankSpec) -> int:
     except RankFailed as exc:
         logger.error("%s", exc)
         return 1
-    trainer = InnerTrainer(model, spec.diloco, device, model_spec.loss, group.sync_grads)
+    if spec.shard_model:
+        model = sharding.shard_module(model, spec.world, device)
+    sync = group.mean_loss if spec.shard_model else group.sync_grads
+    trainer = InnerTrainer(model, spec.diloco, device, model_spec.loss, sync)
     try:
         serve_rank(group, trainer, loader, sys.stdin)
     except RankFailed as exc:

@@ -3,7 +3,9 @@
 Real `swarmnode run` processes: a 2-rank node and a 1-rank node average with one digest every round,
 the 2-rank node weighing twice a rank's tokens; a kill -9 of the 2-rank node leaves no rank behind, its
 restart resumes from its own snapshot (bit for bit, every rank's cursor and RNG state restored) and
-every ledger replays; a rank that dies takes its node down with exit 1, at once.
+every ledger replays; a rank that dies takes its node down with exit 1, at once. `--shard-model` (FSDP2
+shards across the ranks) trains the replicated node's model, in its snapshots' format, and continues
+bit for bit after a kill -9 too.
 """
 
 from __future__ import annotations
@@ -159,18 +161,21 @@ def test_a_two_rank_step_is_the_data_parallel_step_from_rank_0s_broadcast_state(
     [
         ((), 10),
         (("--wire-dtype", "topk"), 10),
+        (("--shard-model",), 10),
         pytest.param(("--fragments", "2"), 5, marks=pytest.mark.slow),  # rounds of H/K steps
         pytest.param(("--overlap", "on"), None, marks=pytest.mark.slow),  # steps: as the rounds overlap
     ],
-    ids=["dense", "topk", "fragments", "overlap"],
+    ids=["dense", "topk", "sharded", "fragments", "overlap"],
 )
 def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(
     tmp_path: Path, reaper, mode: tuple[str, ...], steps: int | None
 ) -> None:
     """The outer step's modes all hold with a node of several ranks: whatever the mode changes on rank 0
     (θ_g, θ, the error feedback, a fragment, a step landing mid-phase), every rank then takes its θ."""
-    args = [*SWARM, *RANKS, *mode, "--max-outer-steps", "2", "--wait-peers", "1"]
-    nodes = start_swarm(reaper, tmp_path, 2, args, extra=[TWO_RANKS, ()])
+    own = tuple(a for a in mode if a == "--shard-model")  # (the 2-rank node's alone)
+    shared = [a for a in mode if a not in own]
+    args = [*SWARM, *RANKS, *shared, "--max-outer-steps", "2", "--wait-peers", "1"]
+    nodes = start_swarm(reaper, tmp_path, 2, args, extra=[(*TWO_RANKS, *own), ()])
     for node in nodes:
         assert node.wait(180) == 0, node.log()[-3000:]
     two, one = (n.info["node_id"] for n in nodes)
@@ -236,11 +241,20 @@ def two_rank_args(tmp_path_factory) -> tuple[str, ...]:
     return (*RUN_ARGS, "--identity", str(identity_file(tmp_path_factory)))
 
 
-@pytest.mark.slow  # (three runs of a 2-rank node; the swarm's kill -9 test above runs by default)
-def test_killed_two_rank_node_continues_bit_identically(tmp_path: Path, reaper, two_rank_args) -> None:
-    straight = reaper.node(tmp_path / "straight", two_rank_args).start()
+@pytest.mark.parametrize(
+    "shard",
+    # (the replicated node's kill -9 runs by default in the swarm's test above)
+    [pytest.param((), marks=pytest.mark.slow), ("--shard-model",)],
+    ids=["replicated", "sharded"],
+)
+def test_killed_two_rank_node_continues_bit_identically(
+    tmp_path: Path, reaper, two_rank_args, shard: tuple[str, ...]
+) -> None:
+    """Sharded: the snapshot holds the whole state gathered from the shards, and the restart scatters it
+    back, so the shards are those the killed node held."""
+    straight = reaper.node(tmp_path / "straight", (*two_rank_args, *shard)).start()
     assert straight.wait(180) == 0, straight.log()[-3000:]
-    killed = reaper.node(tmp_path / "killed", two_rank_args, faults="kill@inner_step#17").start()
+    killed = reaper.node(tmp_path / "killed", (*two_rank_args, *shard), faults="kill@inner_step#17").start()
     assert killed.wait(180) == -signal.SIGKILL, killed.log()[-3000:]
     killed.restart()
     assert killed.wait(180) == 0, killed.log()[-3000:]
@@ -249,6 +263,31 @@ def test_killed_two_rank_node_continues_bit_identically(tmp_path: Path, reaper, 
     assert_same_run(got, want)
     assert got[1]["ranks"] == want[1]["ranks"] == [want[1]["cursor"]] * 2
     assert torch.equal(got[0]["rng/rank/1/torch"], want[0]["rng/rank/1/torch"])
+
+
+def test_a_sharded_node_trains_the_replicated_nodes_model(tmp_path: Path, reaper, two_rank_args) -> None:
+    """FSDP2's reduce-scatter averages the ranks' gradients as the replicated node's all-reduce does (to
+    rounding: it sums in another order), and its snapshots hold the same whole tensors. Each rank holds
+    half of θ and the moments."""
+    args = (*two_rank_args, "--max-outer-steps", "2")
+    runs = {}
+    for name, shard in (("replicated", ()), ("sharded", ("--shard-model",))):
+        node = reaper.node(tmp_path / name, (*args, *shard)).start()
+        assert node.wait(180) == 0, node.log()[-3000:]
+        runs[name] = (final_state(node.data_dir), node.log())
+    (tensors, meta), log = runs["sharded"]
+    (want, want_meta), _ = runs["replicated"]
+    layout = {n: (t.dtype, t.shape) for n, t in tensors.items()}
+    assert layout == {n: (t.dtype, t.shape) for n, t in want.items()}
+    for name, tensor in want.items():
+        if name.startswith(("global/", "model/")):
+            gap = float((tensors[name] - tensor).norm() / tensor.norm())
+            assert gap < 1e-3, (name, gap)  # (measured: at most 9e-5, on the qkv biases Adam magnifies)
+    assert meta["cursor"] == want_meta["cursor"] and meta["ranks"] == want_meta["ranks"]
+    held = re.search(r"sharded model: rank 0 holds (\d+) of the (\d+) values", log)
+    assert held is not None, log[-3000:]
+    assert abs(2 * int(held[1]) - int(held[2])) <= 64  # (dim-0 shards: the odd rows fall to rank 0)
+    assert "sharded model" not in runs["replicated"][1]
 
 
 def test_dead_rank_takes_its_node_down_with_exit_1(tmp_path: Path, reaper) -> None:

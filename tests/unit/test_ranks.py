@@ -90,6 +90,11 @@ def test_the_ranks_rng_states_are_optional_tensors() -> None:
         ),
         ({"max_ranks": 65}, "^--max-ranks: at most 64"),
         ({"nproc_per_node": 0}, "^--nproc-per-node"),
+        ({"shard_model": "on"}, "^--shard-model: shards θ across the node's ranks; give --nproc-per-node 2"),
+        (
+            {"shard_model": "on", "nproc_per_node": 2, "max_ranks": 2, "precision": "fp16", "device": "cuda"},
+            "^--shard-model: fp16's grad scaler",
+        ),
     ],
 )
 def test_combinations_a_node_of_several_ranks_refuses(settings: dict, message: str) -> None:
@@ -117,11 +122,23 @@ def test_the_weight_cap_counts_max_ranks() -> None:
     assert two.round_tokens == 2 * one.round_tokens == 2 * 8 * 128 * 500
 
 
+def test_shard_model_alone_means_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    base = ["run", "--dry-run", "--data-dir", str(tmp_path / "d"), "--nproc-per-node", "2"]
+    base += ["--max-ranks", "2"]
+    for argv, want in ((["--shard-model"], "on"), (["--shard-model", "off"], "off"), ([], "off")):
+        assert cli.main([*base, *argv, "--device", "cpu"]) == 0
+        assert json.loads(capsys.readouterr().out)["shard_model"] == want, argv
+
+
 def test_bad_rank_counts_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (
         ["--nproc-per-node", "2"],
         ["--nproc-per-node", "0"],
         ["--precision", "fp16", "--device", "cpu"],
+        ["--shard-model"],
+        ["--shard-model", "yes", "--nproc-per-node", "2", "--max-ranks", "2"],
     ):
         code = cli.main(["run", "--dry-run", "--data-dir", str(tmp_path / "d"), *argv])
         err = capsys.readouterr().err.splitlines()
