@@ -276,13 +276,22 @@ def check_a_two_rank_node_and_a_one_rank_node_average() -> Figures:
     """`--nproc-per-node 2` (NCCL, GPUs 0 and 1) beside a one-rank node: one digest per round, the
     2-rank node weighing twice. Needs two GPUs (on one it says so and checks nothing); on the CPU
     (GPU_CHECKS_DEVICE=cpu) the ranks use gloo."""
+    return _two_rank_node_beside_a_one_rank_node(())
+
+
+def check_a_sharded_two_rank_node_and_a_one_rank_node_average() -> Figures:
+    """The same with `--shard-model` (FSDP2 over NCCL: each GPU holds half of θ and the moments)."""
+    return _two_rank_node_beside_a_one_rank_node(("--shard-model",))
+
+
+def _two_rank_node_beside_a_one_rank_node(own: tuple[str, ...]) -> Figures:
     if ON_GPU and torch.cuda.device_count() < 2:
         return {"skipped: GPUs": float(torch.cuda.device_count())}
     reaper = ProcessReaper()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = [*SWARM, *GPU_NODE, "--max-outer-steps", "2", "--wait-peers", "1", "--max-ranks", "2"]
-            nodes = start_swarm(reaper, Path(tmp), 2, args, extra=[("--nproc-per-node", "2"), ()])
+            nodes = start_swarm(reaper, Path(tmp), 2, args, extra=[("--nproc-per-node", "2", *own), ()])
             for node in nodes:
                 assert node.wait(300) == 0, node.log_tail()
             metas = [cold_metadata(n) for n in nodes]
@@ -332,6 +341,7 @@ CHECKS: tuple[Callable[[], Figures], ...] = (
     check_two_nodes_on_one_gpu_average,
     check_ranks_past_the_gpu_count_are_refused,
     check_a_two_rank_node_and_a_one_rank_node_average,
+    check_a_sharded_two_rank_node_and_a_one_rank_node_average,
 )
 
 
