@@ -164,8 +164,9 @@ def test_a_two_rank_step_is_the_data_parallel_step_from_rank_0s_broadcast_state(
         (("--shard-model",), 10),
         pytest.param(("--fragments", "2"), 5, marks=pytest.mark.slow),  # rounds of H/K steps
         pytest.param(("--overlap", "on"), None, marks=pytest.mark.slow),  # steps: as the rounds overlap
+        pytest.param(("--overlap", "on", "--shard-model"), None, marks=pytest.mark.slow),
     ],
-    ids=["dense", "topk", "sharded", "fragments", "overlap"],
+    ids=["dense", "topk", "sharded", "fragments", "overlap", "sharded-overlap"],
 )
 def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(
     tmp_path: Path, reaper, mode: tuple[str, ...], steps: int | None
