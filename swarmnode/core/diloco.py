@@ -211,6 +211,19 @@ class InnerTrainer:
                     tensors[f"inner/{slot.name}/{key}"] = value
         return tensors
 
+    @torch.no_grad()
+    def heldout_loss(self, batches: Sequence[Batch]) -> float:
+        """Mean loss of θ as it is over fixed batches (NaN for none)."""
+        if not batches:
+            return float("nan")
+        self.model.eval()
+        with self.precision.autocast():
+            losses = [
+                float(self.loss(self.model, b.inputs.to(self.device), b.targets.to(self.device)))
+                for b in batches
+            ]
+        return sum(losses) / len(losses)
+
     @property
     def adam_step(self) -> int:
         return int(self.inner_opt.state[self.params[0]]["step"].item())
@@ -261,15 +274,17 @@ class DilocoTrainer(InnerTrainer):
         if saved is not None:
             self._copy_local_to(saved)
             self._set_local(self.global_flat, 0)
-        self.model.eval()
-        with self.precision.autocast():
-            losses = [
-                float(self.loss(self.model, b.inputs.to(self.device), b.targets.to(self.device)))
-                for b in batches
-            ]
+        loss = self.heldout_loss(batches)
         if saved is not None:
             self._set_local(saved, 0)
-        return sum(losses) / len(losses)
+        return loss
+
+    def global_views(self) -> dict[str, torch.Tensor]:
+        """θ_g by the names of θ's tensors in `inner_state()` (`model/…`: views, not copies)."""
+        return {
+            f"model/{s.name}": self.global_flat[s.offset : s.offset + s.numel].view(s.shape)
+            for s in self.slots
+        }
 
     # ----- the outer step -----
 

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from swarmnode.core import sharding
-from swarmnode.core.data import ShardLoader
-from swarmnode.core.diloco import InnerTrainer
+from swarmnode.core.data import Batch, ShardLoader
+from swarmnode.core.diloco import DilocoTrainer, InnerTrainer
 from swarmnode.util import faults
 from swarmnode.util.errors import RankFailed
 
@@ -57,6 +57,8 @@ class RankCommand(StrEnum):
     """Rank 0's θ, moments, Adam step, grad scaler and cursor to every rank."""
     PULL = "pull"
     """Sharded ranks (`--shard-model`): every shard of θ and the moments gathered whole to rank 0."""
+    EVAL = "eval"
+    """Sharded ranks: the held-out loss of θ_g (the argument: how many held-out batches), on the shards."""
     GATHER = "gather"
     """Every rank's cursor and RNG states to rank 0 (a snapshot)."""
     RNG = "rng"
@@ -189,6 +191,19 @@ class RankGroup:
             else:
                 tensor.copy_(self._broadcast(tensor))
 
+    def heldout_loss(
+        self, trainer: InnerTrainer, batches: Sequence[Batch], mirror: DilocoTrainer | None
+    ) -> float:
+        """Sharded ranks: the loss of rank 0's θ_g over `batches` (every rank takes the same), the
+        shards taking θ_g for the forward passes and the mirror's θ after. Rank 0 gives its `mirror`."""
+        params = {name: t for name, t in trainer.inner_state().items() if name.startswith("model/")}
+        with _rank_failure(f"rank {self.rank}'s held-out loss"):
+            sharding.push(params, mirror.global_views() if mirror is not None else None)
+            loss = trainer.heldout_loss(batches)
+            local = mirror.inner_state() if mirror is not None else None
+            sharding.push(params, {n: local[n] for n in params} if local is not None else None)
+        return loss
+
     def pull_state(self, trainer: InnerTrainer, mirror: InnerTrainer | None) -> None:
         """Sharded ranks: θ and the moments gathered whole into rank 0's `mirror` (None elsewhere)."""
         with _rank_failure(f"rank {self.rank}'s gather of its shards"):
@@ -296,6 +311,12 @@ class NodeRanks:
         else:
             self.group.broadcast_state(sharded, loader, mirror=trainer)
 
+    def heldout_loss(self, sharded: InnerTrainer, mirror: DilocoTrainer, batches: Sequence[Batch]) -> float:
+        """The held-out loss of the mirror's θ_g, measured on the ranks' shards (`batches`: the node's
+        held-out batches, which every rank's loader gives alike)."""
+        self._send(f"{RankCommand.EVAL} {len(batches)}")
+        return self.group.heldout_loss(sharded, batches, mirror)
+
     def pull(self, sharded: InnerTrainer, mirror: InnerTrainer) -> None:
         """The ranks' shards of θ and the moments, whole, into rank 0's `mirror`."""
         self._send(RankCommand.PULL)
@@ -333,6 +354,8 @@ def serve_rank(group: RankGroup, trainer: InnerTrainer, loader: ShardLoader, com
                 group.broadcast_state(trainer, loader)
             case RankCommand.PULL:
                 group.pull_state(trainer, None)
+            case RankCommand.EVAL:
+                group.heldout_loss(trainer, loader.heldout_batches(int(argument)), None)
             case RankCommand.GATHER:
                 group.gather_records(loader)
             case RankCommand.RNG:

@@ -418,12 +418,18 @@ class TrainingRun:
             p.committed_cursor = dict(overlapped.end) if overlapped is not None else self.loader.state_dict()
         p.last_round = round_info
         self._sync_ranks()  # θ broadcast: every rank starts the next round from rank 0's θ
-        p.heldout_loss = self.trainer.evaluate(self.heldout)
+        p.heldout_loss = self._heldout_loss()
         self.metrics.outer_steps.inc()
         self.metrics.outer_step.set(p.outer_step)
         self.metrics.heldout_loss.set(p.heldout_loss)
         self.publish()
         return self.sample.global_digest
+
+    def _heldout_loss(self) -> float:
+        """θ_g's held-out loss; with sharded ranks measured on them (on their devices), not the mirror."""
+        if self.ranks is None or self.sharded is None:
+            return self.trainer.evaluate(self.heldout)
+        return self.ranks.heldout_loss(self.sharded, self.trainer, self.heldout)
 
     def nudge_global(self) -> str:
         """Test-only (the `global_params` fault): move θ_g a little, so this node goes astray."""
