@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 def shard_module(model: nn.Module, world: int, device: torch.device) -> nn.Module:
     """Shard `model` in place over the node's `world` ranks (the default process group): each module
     held in an `nn.ModuleList` (a transformer's blocks) is one unit of FSDP2 — its parameters gathered
-    for its forward and backward only — and the root holds the rest (embeddings, tied heads, norms)."""
+    for its forward and backward only — and the root holds the rest (embeddings, tied heads, norms).
+    A model built on the host moves to `device` one unit at a time as it is sharded (FSDP2 moves a
+    unit's tensors, then keeps its shard), so no device ever holds the whole model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

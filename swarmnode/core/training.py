@@ -244,7 +244,7 @@ class TrainingRun:
         is then the whole state's mirror on the host (`core/sharding.py`)."""
         if shard_model:
             assert ranks is not None, "--shard-model needs several ranks"
-            module = sharding.shard_module(model.build(seed, device), ranks.world, device)
+            module = sharding.shard_module(model.build(seed, torch.device("cpu")), ranks.world, device)
             self.sharded = InnerTrainer(module, diloco, device, model.loss, ranks.group.mean_loss)
             state = self.sharded.inner_state()
             held, total = sharding.local_values(state), sum(t.numel() for t in state.values())

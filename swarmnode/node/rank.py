@@ -189,7 +189,8 @@ def run_rank(spec: RankSpec) -> int:
     configure_determinism(device, spec.threads)
     corpus = load_corpus(spec.data)
     model_spec = load_model_spec(spec.model, corpus.vocab_size)
-    model = model_spec.build(spec.seed, device)
+    # (sharded: built on the host, and each block moved to the device as it is sharded)
+    model = model_spec.build(spec.seed, torch.device("cpu") if spec.shard_model else device)
     torch.manual_seed(rank_seed(spec.seed, spec.node_id, spec.rank))
     loader = ShardLoader(corpus, 0, spec.num_shards, spec.batch_size, spec.seq_len, spec.seed)
     store = dist.TCPStore(
