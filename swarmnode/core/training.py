@@ -285,6 +285,7 @@ class TrainingRun:
     def _fresh(self) -> None:
         """With sharded ranks: the mirror takes their θ and moments, if they have trained since."""
         if self._stale and self.ranks is not None and self.sharded is not None:
+            assert_training_thread("pulling the ranks' shards")  # (their commands come in one order)
             self.ranks.pull(self.sharded, self.trainer)
             self._stale = False
 
@@ -442,6 +443,7 @@ class TrainingRun:
     # ----- the state as a snapshot -----
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live state (training thread: with sharded ranks it first pulls their shards)."""
         self._fresh()
         return self.trainer.state_tensors()
 
@@ -485,10 +487,11 @@ class TrainingRun:
 
     def template(self) -> TensorTemplate:
         """name -> (dtype, shape) of every tensor a snapshot of this run must hold."""
-        return {name: (t.dtype, tuple(t.shape)) for name, t in self.state_tensors().items()}
+        # (any thread: names, dtypes and shapes never change, so no pull from the ranks)
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self.trainer.state_tensors().items()}
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+        return sum(t.numel() * t.element_size() for t in self.trainer.state_tensors().values())
 
     def restore_own(self, snapshot: LoadedSnapshot, meta: SnapshotMetadata) -> None:
         """Continue exactly where this node's own snapshot left off (bitwise on CPU). `meta` is the

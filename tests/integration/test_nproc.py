@@ -198,9 +198,15 @@ def test_two_rank_node_and_one_rank_node_average_with_one_digest_per_round(
         assert gone(pid), f"rank pid {pid} outlived its node's stop"
 
 
-def test_killed_two_rank_node_leaves_no_rank_and_recovers_in_its_swarm(tmp_path: Path, reaper) -> None:
+@pytest.mark.parametrize(
+    "shard", [(), pytest.param(("--shard-model",), marks=pytest.mark.slow)], ids=["replicated", "sharded"]
+)
+def test_killed_two_rank_node_leaves_no_rank_and_recovers_in_its_swarm(
+    tmp_path: Path, reaper, shard: tuple[str, ...]
+) -> None:
     args = [*SWARM, *RANKS, "--max-outer-steps", "3", "--wait-peers", "1", "--hot-every", "4"]
-    nodes = start_swarm(reaper, tmp_path, 2, args, faults=["kill@inner_step#15", None], extra=[TWO_RANKS, ()])
+    faults = ["kill@inner_step#15", None]
+    nodes = start_swarm(reaper, tmp_path, 2, args, faults=faults, extra=[(*TWO_RANKS, *shard), ()])
     two = nodes[0]
     assert two.wait(180) == -signal.SIGKILL, two.log()[-3000:]
     pids = rank_pids(two.log())
