@@ -44,12 +44,18 @@ def shard_module(model: nn.Module, world: int, device: torch.device) -> nn.Modul
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
-    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for block in blocks:
-            if any(True for _ in block.parameters()):
-                fully_shard(block, mesh=mesh)
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The modules held in `nn.ModuleList`s that have parameters, outermost only (FSDP2 shards a module
+    after the units inside it, and a list within a block stays part of its block)."""
+    held = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    inside = {id(sub) for m in held for sub in m.modules() if sub is not m}
+    return [m for m in held if id(m) not in inside and any(True for _ in m.parameters())]
 
 
 def is_sharded(tensors: Mapping[str, torch.Tensor]) -> bool:
