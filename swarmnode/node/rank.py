@@ -81,6 +81,11 @@ class RankSpec:
         return cls(**{**raw, "betas": tuple(raw["betas"])})
 
     @property
+    def rank_device(self) -> torch.device:
+        """Where this rank trains: GPU k for rank k (rank 0's `device` is the node's, GPU 0)."""
+        return rank_device(torch.device(self.device), self.rank)
+
+    @property
     def diloco(self) -> DilocoConfig:
         """The inner step's settings (the learning rate comes with each step from rank 0)."""
         return DilocoConfig(
@@ -183,7 +188,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run_rank(spec: RankSpec) -> int:
     """A child rank's life: build, join, serve rank 0's commands; 1 when the node broke under it."""
-    device = torch.device(spec.device)
+    device = spec.rank_device  # (not the node's device: every rank would land on GPU 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     configure_determinism(device, spec.threads)

@@ -143,3 +143,19 @@ def test_bad_rank_counts_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Cap
         code = cli.main(["run", "--dry-run", "--data-dir", str(tmp_path / "d"), *argv])
         err = capsys.readouterr().err.splitlines()
         assert code == 2 and len(err) == 1 and "error:" in err[0], (argv, err)
+
+
+def test_each_rank_trains_on_its_own_gpu() -> None:
+    from dataclasses import replace
+
+    from swarmnode.node.rank import RankSpec
+
+    spec = RankSpec(
+        rank=0, world=4, store_port=1, parent_pid=1, node_id="n", model="tiny", data=None, device="cuda",
+        precision="bf16", threads=None, batch_size=4, seq_len=8, num_shards=1, seed=0, weight_decay=0.1,
+        betas=(0.9, 0.95), grad_clip=1.0,
+    )  # fmt: skip
+    assert [replace(spec, rank=k).rank_device for k in range(4)] == [
+        torch.device("cuda", k) for k in range(4)
+    ]
+    assert replace(spec, rank=3, device="cpu").rank_device == torch.device("cpu")  # (gloo ranks share it)
