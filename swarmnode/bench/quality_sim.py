@@ -24,8 +24,9 @@ FRAGMENTS` as a node runs it (`core/fragments.py`, the same plan and outer step 
 R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; and `robust`, every
 round's average through the node's robust outer step (screen and CenteredClip,
 `swarm/averaging/aggregation.py`): its honest cost; and `topk`, SparseLoCo's outer step
-(`DilocoConfig.topk`: error feedback, chunk-wise top-k with 2-bit values at `topk_density`, α = 1,
-no momentum), each ĉ through the top-k wire codec; `topk_robust`, the same through the robust outer step.
+(`DilocoConfig.topk`: error feedback, chunk-wise top-k with 2-bit values at `topk_density`, the
+node's default α, no momentum), each ĉ through the top-k wire codec; `topk_robust`, the same through
+the robust outer step.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class Side(StrEnum):
 
 VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK, Side.TOPK_ROBUST)
 _TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST)
-TOPK_OUTER_LR = 1.0
-"""SparseLoCo's outer step: θ_g ← θ_g − α·mean(ĉ), α = 1, no momentum (the error feedback is it)."""
+TOPK_OUTER_LR = sparse.DEFAULT_OUTER_LR
+"""SparseLoCo's outer step: θ_g ← θ_g − α·mean(ĉ), the node's default α, no momentum (the error
+feedback is it)."""
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",

@@ -25,6 +25,7 @@ import torch
 
 from swarmnode.core.topk_layout import CHUNK as CHUNK
 from swarmnode.core.topk_layout import DEFAULT_DENSITY as DEFAULT_DENSITY
+from swarmnode.core.topk_layout import DEFAULT_OUTER_LR as DEFAULT_OUTER_LR
 from swarmnode.core.topk_layout import chunk_count as chunk_count
 from swarmnode.core.topk_layout import entry_count as entry_count
 from swarmnode.core.topk_layout import image_size as image_size

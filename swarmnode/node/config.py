@@ -34,8 +34,8 @@ from swarmnode.util.errors import ConfigError
 
 DILOCO_OUTER_LR = 0.7
 """DiLoCo's outer learning rate (Douillard et al. 2023)."""
-TOPK_OUTER_LR = 1.0
-"""α of SparseLoCo's outer step θ_g ← θ_g − α·mean(ĉ) (Sarfi et al. 2025)."""
+TOPK_OUTER_LR = topk_layout.DEFAULT_OUTER_LR
+"""α of SparseLoCo's outer step θ_g ← θ_g − α·mean(ĉ) (Sarfi et al. 2025; the paper's is 1)."""
 
 LOG_FORMATS = ("text", "json")
 REACHABLE_SETTINGS = ("auto", "yes", "no")
@@ -155,7 +155,7 @@ class NodeConfig:
 
     @property
     def outer_step_lr(self) -> float:
-        """--outer-lr, else the outer step's own default: DiLoCo's 0.7, SparseLoCo's α = 1 (top-k)."""
+        """--outer-lr, else the outer step's own default: DiLoCo's 0.7, the top-k wire's α = 2."""
         if self.outer_lr is not None:
             return self.outer_lr
         return TOPK_OUTER_LR if self.topk else DILOCO_OUTER_LR
@@ -519,7 +519,10 @@ FLAGS: tuple[Flag, ...] = (
         "outer_lr",
         flag_values.positive_float,
         "outer learning rate: DiLoCo's Nesterov SGD, or α of the top-k wire's θ_g ← θ_g − α·mean(ĉ)",
-        details=f"Default {DILOCO_OUTER_LR} (DiLoCo), {TOPK_OUTER_LR} with `--wire-dtype topk` (SparseLoCo).",
+        details=(
+            f"Default {DILOCO_OUTER_LR} (DiLoCo), {TOPK_OUTER_LR:g} with `--wire-dtype topk` (SparseLoCo's "
+            'outer step; its paper uses 1, 2 measured better here: docs/benchmarks.md "Top-k wire").'
+        ),
         group=FlagGroup.TRAINING,
     ),
     Flag(

@@ -27,7 +27,7 @@ def test_defaults_follow_the_design() -> None:
     cfg = parse([])
     assert (cfg.grpc_port, cfg.dht_port, cfg.metrics_port) == (50051, 8468, 9464)
     assert (cfg.outer_step_lr, cfg.outer_momentum) == (0.7, 0.9)
-    assert parse(["--wire-dtype", "topk"]).outer_step_lr == 1.0  # SparseLoCo's α
+    assert parse(["--wire-dtype", "topk"]).outer_step_lr == 2.0  # the top-k wire's α (SparseLoCo's is 1)
     assert parse(["--wire-dtype", "topk", "--outer-lr", "0.5"]).outer_step_lr == 0.5
     assert cfg.identity_path == Path("swarmnode-data/identity.key")
 
