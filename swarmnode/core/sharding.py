@@ -4,8 +4,8 @@
 Each rank keeps 1/N of every parameter (dim-0 shards, as `torch.chunk` cuts) and of its moments; the
 forward and backward passes gather one block's parameters at a time and reduce-scatter its gradients
 (their mean over the ranks), so a step is the data-parallel step of `ranks.RankGroup.sync_grads` to
-rounding. What lives outside the inner phase — θ_g, Δ, the outer step, the held-out loss, snapshots —
-needs θ whole, and has it on rank 0's host: a full copy of θ and its moments there (the *mirror*, a
+rounding. What lives outside the inner phase — θ_g, Δ, the outer step, snapshots — needs θ whole,
+and has it on rank 0's host: a full copy of θ and its moments there (the *mirror*, a
 plain one-rank `DilocoTrainer` on the CPU, whose tensors are a snapshot's, named as any node's). Two
 collectives move state between them, one parameter at a time, so no device ever holds more than one
 whole parameter beyond its shards:
@@ -14,6 +14,9 @@ whole parameter beyond its shards:
   before anything reads it after inner steps (Δ, a snapshot, an overlapped outer step);
 - **push** (the `SYNC` broadcast): rank 0 scatters the mirror's θ and moments, each rank keeping its
   shard, after anything changed them there (an outer step, a restore, a repair).
+
+The held-out loss (`RankCommand.EVAL`) runs on the shards, on the ranks' devices: θ_g pushed in, the
+held-out batches forward on every rank, the mirror's θ pushed back (`ranks.RankGroup.heldout_loss`).
 
 The mirror and the shards hold the same values after either, so a node's snapshots, digests and ledgers
 are those of a node that does not shard (a sharded node and a replicated one take the same state).
