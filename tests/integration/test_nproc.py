@@ -315,6 +315,18 @@ def test_a_sharded_node_trains_the_replicated_nodes_model(tmp_path: Path, reaper
     assert "sharded model" not in runs["replicated"][1]
 
 
+def test_a_sharded_and_a_replicated_node_restore_each_others_snapshots(
+    tmp_path: Path, reaper, two_rank_args
+) -> None:
+    """(A constant schedule: the cosine's length, hence the run, would change with --max-outer-steps.)"""
+    args = (*TWO_RANKS, *RANKS, "--inner-steps", "6", "--cold-every", "1", *two_rank_args[-2:])  # identity
+    for rounds, shard in (("1", ("--shard-model",)), ("2", ()), ("3", ("--shard-model",))):
+        node = reaper.node(tmp_path, (*args, "--max-outer-steps", rounds, *shard)).start()
+        assert node.wait(180) == 0, node.log()[-3000:]
+    assert [r["source"] for r in read_receipts(tmp_path)] == ["fresh", "local", "local"]
+    assert final_state(tmp_path)[1]["outer_step"] == 3
+
+
 def test_dead_rank_takes_its_node_down_with_exit_1(tmp_path: Path, reaper) -> None:
     """Rank 1 dies after the round's last step: rank 0's outer step (its θ broadcast) finds it gone and
     the node stops there — not a failed round that trains on."""
