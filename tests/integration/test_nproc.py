@@ -318,7 +318,8 @@ def test_a_sharded_node_trains_the_replicated_nodes_model(tmp_path: Path, reaper
 def test_a_sharded_and_a_replicated_node_restore_each_others_snapshots(
     tmp_path: Path, reaper, two_rank_args
 ) -> None:
-    """(A constant schedule: the cosine's length, hence the run, would change with --max-outer-steps.)"""
+    """Sharded, then replicated, then sharded again in one data dir: each restart resumes the other's
+    snapshot (a constant schedule here: a cosine's length, hence the run, follows --max-outer-steps)."""
     args = (*TWO_RANKS, *RANKS, "--inner-steps", "6", "--cold-every", "1", *two_rank_args[-2:])  # identity
     for rounds, shard in (("1", ("--shard-model",)), ("2", ()), ("3", ("--shard-model",))):
         node = reaper.node(tmp_path, (*args, "--max-outer-steps", rounds, *shard)).start()
