@@ -200,8 +200,7 @@ class RankGroup:
         with _rank_failure(f"rank {self.rank}'s held-out loss"):
             sharding.push(params, mirror.global_views() if mirror is not None else None)
             loss = trainer.heldout_loss(batches)
-            local = mirror.inner_state() if mirror is not None else None
-            sharding.push(params, {n: local[n] for n in params} if local is not None else None)
+            sharding.push(params, mirror.inner_state() if mirror is not None else None)
         return loss
 
     def pull_state(self, trainer: InnerTrainer, mirror: InnerTrainer | None) -> None:

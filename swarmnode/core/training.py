@@ -327,14 +327,12 @@ class TrainingRun:
             if deadline is not None and time.monotonic() >= deadline and p.round_step > 0:
                 break
             batch = self.loader.next_batch_of(0, self.world)
+            lr = self.trainer.inner_lr_at(self.trainer.schedule_step)
             if self.ranks is not None:
-                self.ranks.step(self.trainer.inner_lr_at(self.trainer.schedule_step))
-            if self.sharded is None:
-                loss = self.trainer.inner_step(batch)
-            else:
-                loss = self.sharded.inner_step_at(batch, self.trainer.inner_lr_at(self.trainer.schedule_step))
-                self.trainer.schedule_step += 1
-                self._stale = True
+                self.ranks.step(lr)
+            self.trainer.schedule_step += 1
+            loss = (self.sharded or self.trainer).inner_step_at(batch, lr)
+            self._stale = self.sharded is not None
             tokens = batch.num_tokens * self.world  # the node's weight: its ranks' tokens
             p.inner_step += 1
             p.round_step += 1

@@ -832,19 +832,9 @@ def build_run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         # The values are checked by `parse_flag` (so that a flag, its variable and its TOML key fail
         # alike), not by argparse: the metavar shows the choices.
         section = sections[flag.group] if flag.group is not None else ungrouped
-        if flag.bare is not None:  # (a switch: the option alone means `bare`)
-            section.add_argument(
-                flag.option,
-                dest=flag.field,
-                default=None,
-                metavar=metavar(flag),
-                help=help_text(flag),
-                nargs="?",
-                const=flag.bare,
-            )
-            continue
+        switch: dict[str, Any] = {"nargs": "?", "const": flag.bare} if flag.bare is not None else {}
         section.add_argument(
-            flag.option, dest=flag.field, default=None, metavar=metavar(flag), help=help_text(flag)
+            flag.option, dest=flag.field, default=None, metavar=metavar(flag), help=help_text(flag), **switch
         )
     return parser
 

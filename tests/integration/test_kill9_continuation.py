@@ -40,11 +40,10 @@ def run_args(tmp_path_factory) -> tuple[str, ...]:
     return (*RUN_ARGS, "--identity", str(identity_file(tmp_path_factory)))
 
 
-def settled_kill(step: int) -> str:
-    """SIGKILL after inner step `step`, with a pause the step before: on a loaded machine a fast run
-    can reach its kill while the writer still writes the first hot snapshot, and a test of what a
-    restore brings back needs one on disk."""
-    return f"sleep@inner_step#{step - 1}=3,kill@inner_step#{step}"
+AFTER_A_SNAPSHOT = "kill@snapshot_halfway#2"
+"""SIGKILL half-way through the second snapshot write: the one writer has finished the first, so a test
+of what a restore brings back has a snapshot on disk however loaded the machine (a kill at a fixed
+inner step can land while a fast run's first write is still going)."""
 
 
 def final_state(data_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -155,7 +154,7 @@ def test_killed_fragmented_run_continues_bit_identically(
     tmp_path: Path, reaper, uninterrupted_fragments, run_args
 ) -> None:
     args = (*FRAGMENT_ARGS, *run_args[len(RUN_ARGS) :])
-    first = reaper.node(tmp_path, args, faults=settled_kill(18)).start()  # round 4: fragment 1
+    first = reaper.node(tmp_path, args, faults=AFTER_A_SNAPSHOT).start()
     assert first.wait(180) == -signal.SIGKILL, first.log()
     second = reaper.node(tmp_path, args).start()
     assert second.wait(180) == 0, second.log()
@@ -194,7 +193,7 @@ def test_killed_topk_run_restores_its_error_feedback_bit_for_bit(
     tmp_path: Path, reaper, uninterrupted_topk, run_args
 ) -> None:
     args = (*run_args, *TOPK_ARGS[len(RUN_ARGS) :])
-    first = reaper.node(tmp_path, args, faults=settled_kill(17)).start()
+    first = reaper.node(tmp_path, args, faults=AFTER_A_SNAPSHOT).start()
     assert first.wait(180) == -signal.SIGKILL, first.log()
     second = reaper.node(tmp_path, args).start()
     assert second.wait(180) == 0, second.log()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kill9_continuation import assert_same_run, final_state, settled_kill
+from test_kill9_continuation import AFTER_A_SNAPSHOT, assert_same_run, final_state
 from test_swarm_averaging import SWARM
 
 from swarmnode.core.data import Batch, ShardLoader, default_corpus
@@ -262,7 +262,7 @@ def test_killed_two_rank_node_continues_bit_identically(
     back, so the shards are those the killed node held."""
     straight = reaper.node(tmp_path / "straight", (*two_rank_args, *shard)).start()
     assert straight.wait(180) == 0, straight.log()[-3000:]
-    killed = reaper.node(tmp_path / "killed", (*two_rank_args, *shard), faults=settled_kill(17)).start()
+    killed = reaper.node(tmp_path / "killed", (*two_rank_args, *shard), faults=AFTER_A_SNAPSHOT).start()
     assert killed.wait(180) == -signal.SIGKILL, killed.log()[-3000:]
     killed.restart()
     assert killed.wait(180) == 0, killed.log()[-3000:]
