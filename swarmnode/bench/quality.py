@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from swarmnode.bench import quality_sim
@@ -24,6 +25,9 @@ from swarmnode.bench.runner import BenchResult
 from swarmnode.bench.swarm_quality import bench_swarm
 from swarmnode.util.errors import ConfigError
 
+MAX_TOPK_OUTER_LR = 100.0
+"""A bound that only catches typos (α = 5 already diverges on `tiny`)."""
+
 
 def bench_quality(
     preset_name: str,
@@ -35,13 +39,15 @@ def bench_quality(
     swarm: bool = False,
     variants: bool = False,
     topk_sweep: Sequence[float] | None = None,
+    topk_outer_lr: float | None = None,
 ) -> BenchResult:
     """`--workers`, `--inner-steps`, `--rounds` size the run; `--plot FILE.png` draws the curves;
     `--sweep` tunes the learning rates, outer lr and H first, at the same inner-step budget; `--swarm`
     runs real nodes against the simulated DiLoCo instead (`bench/swarm_quality.py`); `--variants` adds
     the overlapped outer step, the int4 wire and `--fragments FRAGMENTS` beside blocking DiLoCo, same
     learning rates; `--topk-sweep D,…` runs blocking DiLoCo fp32 against the top-k wire at each density
-    instead (and `--plot` draws those curves)."""
+    instead (and `--plot` draws those curves); `--topk-outer-lr A` sets the top-k sides' α (default the
+    node's)."""
     if plot is not None and not plot.endswith(".png"):
         raise ConfigError(f"--plot: must name a .png file, got {plot!r}")
     setup = Setup(
@@ -50,6 +56,11 @@ def bench_quality(
         inner_steps or DEFAULT_INNER_STEPS,
         rounds or DEFAULT_ROUNDS,
     )
+    if topk_outer_lr is not None:
+        if not 0 < topk_outer_lr <= MAX_TOPK_OUTER_LR:
+            bound = f"(0, {MAX_TOPK_OUTER_LR:g}]"
+            raise ConfigError(f"--topk-outer-lr: must be in {bound}, got {topk_outer_lr:g}")
+        setup = replace(setup, topk_outer_lr=topk_outer_lr)
     result = BenchResult("quality", preset_name)
     if topk_sweep:
         with tempfile.TemporaryDirectory() as tmp:

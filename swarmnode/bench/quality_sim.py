@@ -25,8 +25,8 @@ R·K rounds of about H/K inner steps, round r averaging fragment r mod K only; a
 round's average through the node's robust outer step (screen and CenteredClip,
 `swarm/averaging/aggregation.py`): its honest cost; and `topk`, SparseLoCo's outer step
 (`DilocoConfig.topk`: error feedback, chunk-wise top-k with 2-bit values at `topk_density`, the
-node's default α, no momentum), each ĉ through the top-k wire codec; `topk_robust`, the same through
-the robust outer step.
+node's default α or `--topk-outer-lr`, no momentum), each ĉ through the top-k wire codec;
+`topk_robust`, the same through the robust outer step.
 """
 
 from __future__ import annotations
@@ -98,9 +98,6 @@ class Side(StrEnum):
 
 VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK, Side.TOPK_ROBUST)
 _TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST)
-TOPK_OUTER_LR = sparse.DEFAULT_OUTER_LR
-"""SparseLoCo's outer step: θ_g ← θ_g − α·mean(ĉ), the node's default α, no momentum (the error
-feedback is it)."""
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",
@@ -134,6 +131,9 @@ class SideJob:
     """Where every side's cosine ends, as a fraction of its peak (`InnerSchedule.final_fraction`)."""
     topk_density: float = sparse.DEFAULT_DENSITY
     """`Side.TOPK`: the kept share of Δ's entries (`core/sparse.py`)."""
+    topk_outer_lr: float = sparse.DEFAULT_OUTER_LR
+    """`Side.TOPK`: α of SparseLoCo's outer step θ_g ← θ_g − α·mean(ĉ) (no momentum: the error
+    feedback is it); the node's default unless `--topk-outer-lr`."""
 
     @property
     def total_steps(self) -> int:
@@ -235,7 +235,7 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
     cfg = DilocoConfig(
         inner_lr=job.lr,
         schedule=job.schedule,
-        outer_lr=TOPK_OUTER_LR if topk else job.outer_lr,
+        outer_lr=job.topk_outer_lr if topk else job.outer_lr,
         outer_momentum=0.0 if topk else job.outer_momentum,
         outer_mix=0.0 if topk else job.outer_mix,
         topk=topk,
@@ -390,11 +390,12 @@ class Setup:
     lr_dp: float = DEFAULT_LR["dp"]
     lr_single: float = DEFAULT_LR["single"]
     outer_mix: float = DEFAULT_OUTER_MIX
+    topk_outer_lr: float = sparse.DEFAULT_OUTER_LR
 
     def job(self, side: Side, **changes: Any) -> SideJob:
         lr = {Side.DILOCO: self.lr_diloco, Side.DP: self.lr_dp, Side.SINGLE: self.lr_single}[side]
         job = SideJob(side, self.model, self.workers, self.inner_steps, self.rounds, lr, self.outer_lr)
-        return replace(job, outer_mix=self.outer_mix, **changes)
+        return replace(job, outer_mix=self.outer_mix, topk_outer_lr=self.topk_outer_lr, **changes)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ def run_sweep(result: BenchResult, setup: Setup, log_dir: Path) -> tuple[Setup, 
         dp.job.lr,
         single.job.lr,
         diloco.job.outer_mix,
+        setup.topk_outer_lr,
     )
     return chosen, Comparison(diloco, dp, single)
 

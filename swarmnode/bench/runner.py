@@ -66,6 +66,7 @@ KNOBS = (
     "device",
     "precision",
     "topk_sweep",
+    "topk_outer_lr",
     "wire_dtype",
 )
 """Size knobs a bench may take (`--rounds`, `--nodes`, …); each bench names the ones it accepts."""

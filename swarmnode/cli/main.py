@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality: blocking DiLoCo fp32 against the top-k wire at each density (e.g. 0.005,0.01,0.03)",
     )
     bench.add_argument(
+        "--topk-outer-lr",
+        type=float,
+        metavar="A",
+        help="quality: α of the top-k sides' outer step (--topk-sweep, --variants; default the node's, 2)",
+    )
+    bench.add_argument(
         "--wire-dtype",
         choices=WIRE_DTYPES,
         help="wan: the nodes' --wire-dtype (default bf16); topk also measures int4 and bf16, blocking",

@@ -15,8 +15,11 @@ from swarmnode.bench import quality_sim, quality_sweep
 from swarmnode.bench.plotting import SERIES_KEY
 from swarmnode.bench.quality_plot import plot_comparison
 from swarmnode.bench.quality_sim import Comparison, Curve, Setup, Side, SideJob
-from swarmnode.bench.runner import BenchResult
+from swarmnode.bench.runner import BenchResult, run_bench
+from swarmnode.core import sparse
+from swarmnode.core.data import default_corpus
 from swarmnode.swarm.averaging import codecs
+from swarmnode.util.errors import ConfigError
 
 
 def test_simulated_average_is_the_reducers_at_equal_weights() -> None:
@@ -181,3 +184,29 @@ def test_the_attacks_bench_simulates_the_attacker_in_the_reducers_average() -> N
     robust = run_attack(AttackRun("flip", "robust", 3, 3, 20, 3, "tiny"))
     screen_only = run_attack(AttackRun("flip", "screen only", 3, 3, 20, 3, "tiny"))
     assert robust < screen_only
+
+
+def test_the_topk_sides_step_at_the_benchs_topk_outer_lr(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[SideJob] = []
+
+    def run_jobs(jobs: list[SideJob], log_dir: Path, processes: int = 1) -> list[Curve]:
+        asked.extend(jobs)
+        return [Curve(job, (0, 1), (4.0, 2.0), 1.0, 1000) for job in jobs]
+
+    monkeypatch.setattr(quality_sim, "run_jobs", run_jobs)
+    result = run_bench("quality", "tiny", {"topk_sweep": (0.01,), "topk_outer_lr": 3.0, "inner_steps": 25})
+    assert {job.side for job in asked} == {Side.DILOCO, Side.TOPK, Side.TOPK_ROBUST}
+    assert all(job.topk_outer_lr == 3.0 and job.inner_steps == 25 for job in asked)
+    corpus = default_corpus()
+    steps = {job.side: quality_sim.trainer_for(corpus, job).cfg for job in asked}
+    assert steps[Side.TOPK].outer_lr == steps[Side.TOPK_ROBUST].outer_lr == 3.0
+    assert steps[Side.DILOCO].outer_lr == quality_sim.DEFAULT_OUTER_LR != 3.0
+    assert any("top-k 0.01 loss" in ratio.name for ratio in result.ratios)
+
+
+def test_the_topk_outer_lr_defaults_to_the_nodes_and_refuses_nonsense() -> None:
+    assert Setup().job(Side.DILOCO).topk_outer_lr == sparse.DEFAULT_OUTER_LR == 2
+    with pytest.raises(ConfigError, match="--topk-outer-lr: must be in"):
+        run_bench("quality", "tiny", {"topk_sweep": (0.01,), "topk_outer_lr": 0.0})
+    with pytest.raises(ConfigError, match="--topk-outer-lr: bench allreduce has no such knob"):
+        run_bench("allreduce", "tiny", {"topk_outer_lr": 3.0})
