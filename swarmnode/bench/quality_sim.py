@@ -462,6 +462,8 @@ def report_topk_sweep(result: BenchResult, base: Curve, curves: Sequence[Curve])
         d = curve.job.topk_density
         note = f"{curve.seconds:.0f} s"
         name = f"top-k {d:g}" + (", robust" if curve.job.side == Side.TOPK_ROBUST else "")
+        if curve.job.topk_outer_lr != sparse.DEFAULT_OUTER_LR:
+            name += f", α {curve.job.topk_outer_lr:g}"
         result.add(f"quality: {name} held-out loss", curve.final, "nats", note)
         result.ratio(f"{name} loss / DiLoCo fp32 loss", curve.final / base.final, "target ≤ 1.01")
     result.series["topk sweep"] = [c.to_dict() for c in (base, *curves)]

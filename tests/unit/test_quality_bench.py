@@ -201,7 +201,7 @@ def test_the_topk_sides_step_at_the_benchs_topk_outer_lr(monkeypatch: pytest.Mon
     steps = {job.side: quality_sim.trainer_for(corpus, job).cfg for job in asked}
     assert steps[Side.TOPK].outer_lr == steps[Side.TOPK_ROBUST].outer_lr == 3.0
     assert steps[Side.DILOCO].outer_lr == quality_sim.DEFAULT_OUTER_LR != 3.0
-    assert any("top-k 0.01 loss" in ratio.name for ratio in result.ratios)
+    assert any(ratio.name.startswith("top-k 0.01, α 3 loss") for ratio in result.ratios)
 
 
 def test_the_topk_outer_lr_defaults_to_the_nodes_and_refuses_nonsense() -> None:
