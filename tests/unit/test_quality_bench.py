@@ -204,9 +204,17 @@ def test_the_topk_sides_step_at_the_benchs_topk_outer_lr(monkeypatch: pytest.Mon
     assert any(ratio.name.startswith("top-k 0.01, α 3 loss") for ratio in result.ratios)
 
 
-def test_the_topk_outer_lr_defaults_to_the_nodes_and_refuses_nonsense() -> None:
+def test_the_topk_outer_lr_defaults_to_the_nodes_and_refuses_nonsense(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert Setup().job(Side.DILOCO).topk_outer_lr == sparse.DEFAULT_OUTER_LR == 2
-    with pytest.raises(ConfigError, match="--topk-outer-lr: must be in"):
-        run_bench("quality", "tiny", {"topk_sweep": (0.01,), "topk_outer_lr": 0.0})
+
+    def run_jobs(jobs: list[SideJob], log_dir: Path, processes: int = 1) -> list[Curve]:
+        raise AssertionError("a refused α trained")
+
+    monkeypatch.setattr(quality_sim, "run_jobs", run_jobs)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--topk-outer-lr: must be a positive number"):
+            run_bench("quality", "tiny", {"topk_sweep": (0.01,), "topk_outer_lr": bad})
     with pytest.raises(ConfigError, match="--topk-outer-lr: bench allreduce has no such knob"):
         run_bench("allreduce", "tiny", {"topk_outer_lr": 3.0})
