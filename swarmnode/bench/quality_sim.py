@@ -94,10 +94,20 @@ class Side(StrEnum):
     ROBUST = "robust"
     TOPK = "topk"
     TOPK_ROBUST = "topk_robust"
+    TOPK_OVERLAP = "topk_overlap"
 
 
-VARIANTS = (Side.OVERLAP, Side.INT4, Side.FRAGMENTS, Side.ROBUST, Side.TOPK, Side.TOPK_ROBUST)
-_TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST)
+VARIANTS = (
+    Side.OVERLAP,
+    Side.INT4,
+    Side.FRAGMENTS,
+    Side.ROBUST,
+    Side.TOPK,
+    Side.TOPK_ROBUST,
+    Side.TOPK_OVERLAP,
+)
+_TOPK_SIDES = (Side.TOPK, Side.TOPK_ROBUST, Side.TOPK_OVERLAP)
+_OVERLAP_SIDES = (Side.OVERLAP, Side.TOPK_OVERLAP)
 LABELS = {
     Side.DILOCO: "DiLoCo ({w} workers)",
     Side.DP: "sync DP ({w}× batch)",
@@ -108,6 +118,7 @@ LABELS = {
     Side.ROBUST: "DiLoCo, robust outer step",
     Side.TOPK: "SparseLoCo, top-k wire",
     Side.TOPK_ROBUST: "SparseLoCo, robust outer step",
+    Side.TOPK_OVERLAP: "SparseLoCo, overlapped outer step",
 }
 
 
@@ -213,6 +224,7 @@ def train_side(job: SideJob) -> Curve:
         Side.ROBUST: _diloco_rounds,
         Side.TOPK: _diloco_rounds,
         Side.TOPK_ROBUST: _diloco_rounds,
+        Side.TOPK_OVERLAP: _diloco_rounds,
     }
     trainer, losses = None, []
     for trainer, use_global in steps[job.side](corpus, job):
@@ -245,13 +257,14 @@ def trainer_for(corpus: Corpus, job: SideJob) -> DilocoTrainer:
 
 def _diloco_rounds(corpus: Corpus, job: SideJob) -> Any:
     """Worker 0 before the first and after every outer step (every worker then holds the same θ_g).
-    `Side.INT4`: every Δ and the average pass through the int4 codec; `Side.OVERLAP`: each round's
-    average lands `OVERLAP_SHARE`·H inner steps into the next round (the last one after the last)."""
+    `Side.INT4`: every Δ and the average pass through the int4 codec; `Side.OVERLAP` and
+    `Side.TOPK_OVERLAP`: each round's average lands `OVERLAP_SHARE`·H inner steps into the next round
+    (the last one after the last)."""
     trainers = [trainer_for(corpus, job) for _ in range(job.workers)]
     loaders = [loader(corpus, k, job.workers) for k in range(job.workers)]
     topk_wire = sparse.wire_name(trainers[0].cfg.topk or 1)
-    wire = {Side.INT4: "int4", Side.TOPK: topk_wire, Side.TOPK_ROBUST: topk_wire}.get(job.side, "fp32")
-    overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side == Side.OVERLAP else 0
+    wire = topk_wire if job.side in _TOPK_SIDES else "int4" if job.side == Side.INT4 else "fp32"
+    overlap = int(OVERLAP_SHARE * job.inner_steps) if job.side in _OVERLAP_SIDES else 0
     pending: AveragedDelta | None = None
     yield trainers[0], True
     for _ in range(job.rounds):

@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--wire-dtype",
         choices=WIRE_DTYPES,
-        help="wan: the nodes' --wire-dtype (default bf16); topk also measures int4 and bf16, blocking",
+        help="wan: the nodes' --wire-dtype (default bf16); topk also measures int4 and bf16, blocking, "
+        "and the top-k wire with --overlap on",
     )
     bench.add_argument(
         "--no-quality", dest="quality", action="store_const", const=False, help="train: skip DiLoCo vs DP"

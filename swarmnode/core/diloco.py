@@ -343,8 +343,10 @@ class DilocoTrainer(InnerTrainer):
             θ ← θ + (θ_g' − θ_g)            on carried ranges (θ_g' − Δ_r + δ: our work stays local),
             θ unchanged                     elsewhere (θ_g' = θ_g there).
         With δ = 0 this is `outer_step` (to rounding). δ's batches are the next round's: its Δ carries
-        them whole."""
-        assert not self.cfg.topk, "the top-k wire's outer step is blocking"
+        them whole. With a top-k wire: `_sparse_outer_step`, θ landing at θ_g' + δ."""
+        if self.cfg.topk:
+            self._sparse_outer_step(averaged, overlapped=True)
+            return
         olds = [self.global_flat[a:b].clone() for a, b in averaged.covered]  # θ_g, where it moves
         self.outer_step_on_global(averaged)
         for (a, b), old in zip(averaged.covered, olds, strict=True):
@@ -354,11 +356,18 @@ class DilocoTrainer(InnerTrainer):
                 shift[lo - a : hi - a] = self.global_flat[lo:hi] - old[lo - a : hi - a]
             self._set_local(self._local_range(a, b).add_(shift), a)
 
-    def _sparse_outer_step(self, averaged: AveragedDelta) -> None:
+    def _sparse_outer_step(self, averaged: AveragedDelta, overlapped: bool = False) -> None:
         """SparseLoCo's step: θ_g ← θ_g − α·mean(ĉ) on the covered ranges; e ← β·e + Δ − ĉ where the
         average holds this node's ĉ, e ← β·e + Δ elsewhere (uncovered or carried: nothing of this
         round's Δ was delivered there, so all of it waits in e); then θ ← θ_g' everywhere (the local
-        progress lives in e, not in θ)."""
+        progress lives in e, not in θ). `overlapped`: θ has moved on by δ since Δ_r = θ_g − θ_r was
+        taken, and lands at θ_g' + δ = θ + Δ_r + (θ_g' − θ_g), the blocking step's θ plus the
+        overlap's own steps, which the next round's Δ carries (e and θ_g move as in the blocking step)."""
+        target = None
+        if overlapped:
+            target = self._local_range(0, self.global_flat.numel()).add_(self._delta)  # θ + Δ_r
+            for a, b in averaged.covered:
+                target[a:b].sub_(averaged.delta[a:b], alpha=self.cfg.outer_lr)  # + (θ_g' − θ_g)
         for a, b in averaged.covered:
             self.global_flat[a:b].add_(averaged.delta[a:b], alpha=-self.cfg.outer_lr)
         self._global_digest = None
@@ -367,7 +376,7 @@ class DilocoTrainer(InnerTrainer):
             delivered = [(a, b)] if not averaged.carried else _outside(a, b, averaged.carried)
             for lo, hi in delivered:
                 self.error_feedback[lo:hi].sub_(self._sent[lo:hi])
-        self._set_local(self.global_flat, 0)
+        self._set_local(self.global_flat if target is None else target, 0)
 
     def _merged(self, a: int, b: int, local: torch.Tensor | None) -> torch.Tensor:
         """α·θ + (1 − α)·θ_g' on [a, b) as a new tensor (`local`: θ there; None: α = 0, θ_g' itself)."""

@@ -212,10 +212,8 @@ def _check_combinations(cfg: NodeConfig) -> None:
     if not cfg.max_norm_ratio > 1:
         raise ConfigError(f"--max-norm-ratio: must be above 1, got {cfg.max_norm_ratio:g}")
     _check_port_clashes(cfg)
-    if cfg.topk and (cfg.overlap == "on" or cfg.fragments > 1):
-        raise ConfigError(
-            "--wire-dtype topk: its outer step is blocking over all of Δ (no --overlap, no --fragments)"
-        )
+    if cfg.topk and cfg.fragments > 1:
+        raise ConfigError("--wire-dtype topk: its outer step takes all of Δ at once (no --fragments)")
     if cfg.fragments > cfg.inner_steps:  # every round must have an inner step
         raise ConfigError(f"--fragments: at most --inner-steps ({cfg.inner_steps}), got {cfg.fragments}")
     _check_schedule(cfg)

@@ -60,3 +60,47 @@ def test_the_wan_bench_runs_both_modes_on_a_capped_bed() -> None:
         assert figures[f"{mode}: rounds measured"] == 1
         assert figures[f"{mode}: bytes sent per node per round"] == pytest.approx(delta_mb)  # 2(N-1)/N = 1
         assert ratios[f"{mode}: all-reduce / bandwidth bound"] > 0.8, "the link cap did not hold"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_wan_bench_compares_the_topk_wire_with_int4_bf16_and_its_own_overlap() -> None:
+    reason = netbed.unavailable()
+    if reason is not None:
+        pytest.skip(f"no network test bed here: {reason}")
+    argv = [
+        "bench",
+        "wan",
+        "--model",
+        "tiny",
+        "--json",
+        "--nodes",
+        "2",
+        "--mbit",
+        "20",
+        "--wire-dtype",
+        "topk",
+    ]
+    argv += ["--rounds", "1", "--inner-steps", "10"]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", *argv], capture_output=True, text=True, timeout=1140
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout)
+    figures = {f["name"]: f["value"] for f in report["figures"]}
+    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    modes = ("topk", "int4", "bf16", wan.TOPK_OVERLAPPED)
+    assert {f"{m}: round wall / inner phase" for m in modes} == set(ratios), ratios
+    assert all(v > 0 for v in ratios.values()), ratios
+    for mode in modes:
+        assert figures[f"{mode}: round wall"] > 0
+    # The top-k wire sends a small share of what int4 does, overlapped or not (2 nodes: one image each).
+    topk_mb, int4_mb = (
+        figures["topk: bytes sent per node per round"],
+        figures["int4: bytes sent per node per round"],
+    )
+    assert 0 < topk_mb < int4_mb / 5, (topk_mb, int4_mb)
+    assert figures[f"{wan.TOPK_OVERLAPPED}: bytes sent per node per round"] == pytest.approx(
+        topk_mb, rel=0.05
+    )
+    assert set(report["series"]) == set(modes)

@@ -36,8 +36,21 @@ def test_an_overlapped_swarm_agrees_after_every_round_and_its_ledgers_replay(tmp
 
 
 @pytest.mark.slow
-def test_a_node_killed_mid_overlap_recovers_and_the_swarm_agrees_again(tmp_path: Path, reaper) -> None:
-    args = [*OVERLAP, "--allreduce-timeout", "8", "--max-outer-steps", "40", "--hot-every", "5"]
+@pytest.mark.parametrize("wire", ["fp32", "topk"])
+def test_a_node_killed_mid_overlap_recovers_and_the_swarm_agrees_again(
+    tmp_path: Path, reaper, wire: str
+) -> None:
+    args = [
+        *OVERLAP,
+        "--wire-dtype",
+        wire,
+        "--allreduce-timeout",
+        "8",
+        "--max-outer-steps",
+        "40",
+        "--hot-every",
+        "5",
+    ]
     nodes = start_swarm(reaper, tmp_path, 3, args, faults=[None, None, "kill@overlap_step#15"])
     victim = nodes[2]
     assert victim.wait(120) == -signal.SIGKILL  # the fault fired: killed with a round in flight

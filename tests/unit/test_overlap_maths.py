@@ -115,3 +115,42 @@ def test_the_overlapped_step_moves_theta_by_the_nodes_own_delta_not_what_it_sent
     theta = local(poisoner.trainer)
     assert theta.isfinite().all()
     assert torch.equal(theta, local(honest.trainer))
+
+
+def trained_topk() -> DilocoTrainer:
+    cfg = DilocoConfig(topk=41, outer_lr=2.0, outer_momentum=0.0, outer_mix=0.0)
+    trainer = DilocoTrainer(build_model(CFG, 0, torch.device("cpu")), cfg, torch.device("cpu"))
+    trainer.error_feedback.normal_(0, 1e-3, generator=torch.Generator().manual_seed(5))  # rounds before
+    for seed in range(3):
+        trainer.inner_step(batch(seed))
+    return trainer
+
+
+def test_topk_without_overlap_progress_it_is_the_blocking_step() -> None:
+    blocking = trained_topk()
+    overlapped = copy.deepcopy(blocking)
+    averaged = averaged_for(blocking)
+    blocking.outer_step(averaged)
+    overlapped.pseudo_gradient()
+    overlapped.outer_step_overlapped(averaged)
+    assert torch.equal(overlapped.global_flat, blocking.global_flat)
+    assert torch.equal(overlapped.error_feedback, blocking.error_feedback)
+    torch.testing.assert_close(local(overlapped), blocking.global_flat, rtol=0, atol=1e-6)
+    assert torch.equal(local(blocking), blocking.global_flat)  # θ restarts from θ_g': its progress is in e
+
+
+def test_topk_overlap_progress_lands_on_the_new_global_model_and_e_takes_the_round_whole() -> None:
+    trainer = trained_topk()
+    blocking = copy.deepcopy(trainer)
+    averaged = averaged_for(blocking)  # (takes blocking's ĉ and β·e + Δ, as the node does at round end)
+    blocking.outer_step(averaged)
+    trainer.pseudo_gradient()
+    theta_r = local(trainer)
+    for seed in (10, 11):  # inner steps of the next round while the all-reduce runs
+        trainer.inner_step(batch(seed))
+    progress = local(trainer) - theta_r
+    assert progress.abs().max() > 0
+    trainer.outer_step_overlapped(averaged)
+    assert torch.equal(trainer.global_flat, blocking.global_flat)
+    assert torch.equal(trainer.error_feedback, blocking.error_feedback)  # the round's Δ whole, not δ
+    torch.testing.assert_close(local(trainer), trainer.global_flat + progress, rtol=0, atol=1e-6)
