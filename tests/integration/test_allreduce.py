@@ -600,8 +600,11 @@ def test_malformed_calls_are_refused_and_the_node_carries_on() -> None:
 
 
 def test_a_contribution_heavier_than_its_member_offered_is_refused_and_left_out() -> None:
-    """A member that offered 2,560 tokens for the round (the group says so) and then sends its part
-    with a weight of 1e6 is refused and counted; the reducer averages without it."""
+    """A member that offered 2,560 tokens for the round (the group says so) and then calls with a
+    weight of 1e6 is refused and counted; the reducer averages without it. The call carries the header
+    alone: the weight is refused there, and grpc.aio reports a refusal that crosses a data write still
+    in flight as INTERNAL, not the reducer's code (grpc/grpc#36066), which the sender's own retry rule
+    allows for (`allreduce.FIRST_CONNECT_RETRY_S`)."""
     n = 5000
 
     async def scenario() -> tuple[grpc.StatusCode | None, AllReduceResult, list[str], GroupSpec]:
@@ -613,7 +616,8 @@ def test_a_contribution_heavier_than_its_member_offered_is_refused_and_left_out(
             runner = asyncio.create_task(
                 averaging.butterfly_allreduce(nodes[0].servicer, spec, 0, torch.ones(n), 2560.0)
             )
-            code = await refusal(RawSender(spec, 1, torch.full((n,), -4.0), 1e6), nodes[0].address, None)
+            heavy = RawSender(spec, 1, torch.full((n,), -4.0), 1e6)
+            code = await refusal(heavy, nodes[0].address, [pb.Contribution(header=heavy.header(0))])
             return code, await runner, rejected, spec
         finally:
             for node in nodes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -37,15 +38,7 @@ def test_the_wan_bench_runs_both_modes_on_a_capped_bed() -> None:
     reason = netbed.unavailable()
     if reason is not None:
         pytest.skip(f"no network test bed here: {reason}")
-    argv = ["bench", "wan", "--model", "tiny", "--json", "--nodes", "2", "--mbit", "20"]
-    argv += ["--rounds", "1", "--inner-steps", "10"]
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmnode.cli", *argv], capture_output=True, text=True, timeout=840
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout)
-    figures = {f["name"]: f["value"] for f in report["figures"]}
-    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    report, figures, ratios = _two_tiny_nodes_one_round_at_20_mbit(timeout=840)
     assert {
         "blocking: round wall / inner phase",
         "overlap: round wall / inner phase",
@@ -68,27 +61,7 @@ def test_the_wan_bench_compares_the_topk_wire_with_int4_bf16_and_its_own_overlap
     reason = netbed.unavailable()
     if reason is not None:
         pytest.skip(f"no network test bed here: {reason}")
-    argv = [
-        "bench",
-        "wan",
-        "--model",
-        "tiny",
-        "--json",
-        "--nodes",
-        "2",
-        "--mbit",
-        "20",
-        "--wire-dtype",
-        "topk",
-    ]
-    argv += ["--rounds", "1", "--inner-steps", "10"]
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmnode.cli", *argv], capture_output=True, text=True, timeout=1140
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout)
-    figures = {f["name"]: f["value"] for f in report["figures"]}
-    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    report, figures, ratios = _two_tiny_nodes_one_round_at_20_mbit("--wire-dtype", "topk", timeout=1140)
     modes = ("topk", "int4", "bf16", wan.TOPK_OVERLAPPED)
     assert {f"{m}: round wall / inner phase" for m in modes} == set(ratios), ratios
     assert all(v > 0 for v in ratios.values()), ratios
@@ -104,3 +77,20 @@ def test_the_wan_bench_compares_the_topk_wire_with_int4_bf16_and_its_own_overlap
         topk_mb, rel=0.05
     )
     assert set(report["series"]) == set(modes)
+
+
+def _two_tiny_nodes_one_round_at_20_mbit(
+    *extra: str, timeout: float
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+    """`swarmnode bench wan --json` for 2 tiny nodes, one round of 10 inner steps at 20 Mbit/s: the report,
+    its figures and its ratios by name."""
+    argv = ["bench", "wan", "--model", "tiny", "--json", "--nodes", "2", "--mbit", "20", *extra]
+    argv += ["--rounds", "1", "--inner-steps", "10"]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmnode.cli", *argv], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout)
+    figures = {f["name"]: f["value"] for f in report["figures"]}
+    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    return report, figures, ratios
