@@ -68,14 +68,14 @@ def encode(x: torch.Tensor, k: int) -> memoryview:
     image = torch.empty(image_size(n, k), dtype=torch.uint8)
     if n == 0:
         return _bytes_of(image)
-    nch, entries = chunk_count(n), entry_count(n, k)
+    nch, count = chunk_count(n), entry_count(n, k)
     image[: 4 * nch].copy_(torch.cat(scales).view(torch.uint8))
     code = torch.cat([c.reshape(-1) for c in codes])
-    code = torch.cat((code, code.new_zeros(-entries % 4))).view(-1, 4)
+    code = torch.cat((code, code.new_zeros(-count % 4))).view(-1, 4)
     packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
     image[4 * nch : 4 * nch + packed.numel()].copy_(packed)
     idx = torch.cat([i.reshape(-1) for i in indices]).to(torch.int32)
-    idx = torch.cat((idx, idx.new_zeros(entries % 2))).view(-1, 2)
+    idx = torch.cat((idx, idx.new_zeros(count % 2))).view(-1, 2)
     a, b = idx[:, 0], idx[:, 1]
     triples = torch.stack((a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4), dim=1).to(torch.uint8)
     image[4 * nch + packed.numel() :].copy_(triples.view(-1))
@@ -87,31 +87,38 @@ def decode(
 ) -> torch.Tensor:
     """The n fp32 values of an image made by `encode` (zeros where nothing was kept), written into
     `out` if given. ValueError, before anything is written, if the image is malformed (module notes)."""
-    if len(image) != image_size(n, k):
-        raise ValueError(f"a top-{k} image of {n} values has {image_size(n, k)} bytes, not {len(image)}")
+    positions, values = entries(image, n, k)
     out = out if out is not None else torch.empty(n, dtype=torch.float32)
     assert out.dtype == torch.float32 and out.shape == (n,), "flat fp32 out of n expected"
-    if n == 0:
-        return out
-    raw = torch.frombuffer(bytearray(image), dtype=torch.uint8)  # (a copy: the checks read what we use)
-    nch, entries = chunk_count(n), entry_count(n, k)
-    scales = raw[: 4 * nch].view(torch.float32)
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise ValueError("a top-k image holds a scale that is negative, NaN or infinite")
-    packed = raw[4 * nch : 4 * nch + -(-entries // 4)]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-    code = ((packed[:, None] >> shifts) & 3).reshape(-1)[:entries]
-    triples = raw[4 * nch + packed.numel() :].to(torch.int64).view(-1, 3)
-    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
-    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
-    index = torch.stack((a, b), dim=1).reshape(-1)[:entries]
-    positions, chunk_of = _positions(index, n, k)
-    scale = scales[chunk_of]
-    magnitude = torch.where((code & 2).bool(), scale, scale * LOW)
-    values = torch.where((code & 1).bool(), -magnitude, magnitude)
     out.zero_()
     out[positions] = values
     return out
+
+
+def entries(image: bytes | bytearray | memoryview, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of an image made by `encode`: their flat positions (int64, strictly increasing)
+    and fp32 values, without the n-value dense vector (`decode` is these scattered into zeros). Same
+    validation as `decode`: ValueError if the image is malformed (module notes)."""
+    if len(image) != image_size(n, k):
+        raise ValueError(f"a top-{k} image of {n} values has {image_size(n, k)} bytes, not {len(image)}")
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    raw = torch.frombuffer(bytearray(image), dtype=torch.uint8)  # (a copy: the checks read what we use)
+    nch, count = chunk_count(n), entry_count(n, k)
+    scales = raw[: 4 * nch].view(torch.float32)
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ValueError("a top-k image holds a scale that is negative, NaN or infinite")
+    packed = raw[4 * nch : 4 * nch + -(-count // 4)]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    code = ((packed[:, None] >> shifts) & 3).reshape(-1)[:count]
+    triples = raw[4 * nch + packed.numel() :].to(torch.int64).view(-1, 3)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    index = torch.stack((a, b), dim=1).reshape(-1)[:count]
+    positions, chunk_of = _positions(index, n, k)
+    scale = scales[chunk_of]
+    magnitude = torch.where((code & 2).bool(), scale, scale * LOW)
+    return positions, torch.where((code & 1).bool(), -magnitude, magnitude)
 
 
 def _positions(index: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -190,3 +190,49 @@ def test_a_member_slightly_against_a_round_of_little_agreement_is_kept() -> None
         )
         averaged = average([(i, 1.0, x) for i, x in enumerate(rows)], "fp32", N)
         assert averaged.excluded == (((3, "opposed"),) if left_out else ()), cosines
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_a_top_k_part_is_aggregated_on_its_entries_as_on_the_dense_vectors(far: bool) -> None:
+    """The top-k wire's aggregation works on the kept entries alone (the coordinates nobody kept stay 0
+    through the screen, the median, every clip step and the mean), and gives what the dense maths
+    gives: an honest round's mean bit for bit, a clipped one to rounding (its norms add in another order)."""
+    k, n = 41, 8 * sparse.CHUNK + 100
+    honest = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    rows = [*honest, (-5 if far else 1) * honest[0] + torch.randn(n) * 0.1]
+    weights = [2560.0, 1280.0, 2560.0, 1000.0]
+    images = [bytearray(sparse.encode(x, k)) for x in rows]
+    decoded = [
+        (i, w, sparse.decode(image, n, k)) for i, (w, image) in enumerate(zip(weights, images, strict=True))
+    ]
+    averaged = average(
+        [(i, w, image) for i, w, image in zip(range(4), weights, images, strict=True)], sparse.wire_name(k), n
+    )
+    assert averaged.values is not None and averaged.excluded == ()
+    if far:
+        expected = torch.empty(n)
+        assert centered_clip(decoded, expected) == averaged.clipped and 3 in averaged.clipped
+        assert torch.allclose(averaged.values, expected, rtol=1e-5, atol=1e-7)
+    else:
+        mean = average(decoded, "fp32", n)
+        assert mean.values is not None and mean.clipped == averaged.clipped == ()
+        assert torch.equal(averaged.values, mean.values)
+    assert torch.equal(averaged.values == 0, torch.stack([x for _, _, x in decoded]).abs().sum(0) == 0)
+
+
+def test_a_top_k_part_is_aggregated_without_a_dense_copy_per_member() -> None:
+    """A 1B model's part is GBs: the aggregation allocates memory by the kept entries, never a dense
+    vector per member (its result goes into the caller's buffer)."""
+    k, n = 41, 64 * sparse.CHUNK
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(n, generator=g) for _ in range(3)]
+    rows.append(-5 * rows[0])  # far (under the screen): CenteredClip runs
+    images = [(i, 1.0, bytearray(sparse.encode(x, k))) for i, x in enumerate(rows)]
+    out = torch.empty(n)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        averaged = average(images, sparse.wire_name(k), n, values_out=out)
+    assert averaged.clipped and averaged.values is out
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < n * 4 // 2, largest  # under half of one dense fp32 part

@@ -114,6 +114,10 @@ def average(
     `scratch` (n fp32 values): where a bf16 contribution is widened before it is added, which is exact
     and several times faster than torch's mixed-dtype add. `clip` False: the screen alone (the benches'
     "before"). Runs on a worker thread."""
+    if is_sparse(wire_dtype):
+        return _sparse_average(
+            contributions, wire_dtype, n, max_norm_ratio, values_out if values_out is not None else acc, clip
+        )
     decoded: _Weighted = []
     for index, weight, data in contributions:
         if weight > 0:
@@ -125,20 +129,69 @@ def average(
     acc = acc if acc is not None else torch.empty(n, dtype=torch.float32)
     clipped = None
     if clip and math.isfinite(max_norm_ratio):
-        known = None
-        if not is_sparse(wire_dtype):
-            kept, opposed, known = opposed_filter(kept)
-            excluded += opposed
+        kept, opposed, known = opposed_filter(kept)
+        excluded += opposed
         clipped = centered_clip(kept, acc, known=known)
     if clipped is None:
         _weighted_mean(kept, acc, scratch)
     included = tuple(index for index, _, _ in kept)
-    if is_sparse(wire_dtype):  # every member aggregates the relayed contributions itself: no image
-        values = values_out.copy_(acc) if values_out is not None else acc
-        return Averaged(included, None, values, excluded, clipped or ())
     image = codecs.encode(acc, wire_dtype)
     values = codecs.decode(image, wire_dtype, n, values_out)
     return Averaged(included, image, values, excluded, clipped or ())
+
+
+def _sparse_average(
+    contributions: list[Contribution],
+    wire_dtype: str,
+    n: int,
+    max_norm_ratio: float,
+    out: torch.Tensor | None,
+    clip: bool,
+) -> Averaged:
+    """`average` on a top-k wire, computed on the kept entries alone: the screen on their norms, then
+    CenteredClip or the weighted mean on the coordinates where any kept contribution has an entry
+    (everywhere else every contribution, their median, every step of the clip and the mean are 0),
+    scattered into `out`. The same maths as on the dense vectors (the mean bit for bit: the same adds
+    in the same order), at a cost that follows the entries (N·density·n) rather than N·n, and never N
+    dense copies of a part in memory (a 1B model's part is GBs). The opposed filter is not taken (see
+    the module notes). Every member aggregates the relayed contributions itself: no image. ValueError
+    if an image does not validate."""
+    positions: dict[int, torch.Tensor] = {}
+    decoded: _Weighted = []
+    for index, weight, data in contributions:
+        if weight > 0:
+            positions[index], values = _entries(data, wire_dtype, n)
+            decoded.append((index, weight, values))
+    kept, excluded = robust_filter(decoded, max_norm_ratio)
+    if not kept:
+        return Averaged(excluded=excluded)
+    out = out if out is not None else torch.empty(n, dtype=torch.float32)
+    out.zero_()
+    support = torch.unique(torch.cat([positions[index] for index, _, _ in kept]))  # (sorted)
+    rows: _Weighted = []
+    for index, weight, values in kept:
+        row = torch.zeros(support.numel(), dtype=torch.float32)
+        row[torch.searchsorted(support, positions[index])] = values
+        rows.append((index, weight, row))
+    on_support = torch.empty(support.numel(), dtype=torch.float32)
+    clipped = None
+    if clip and math.isfinite(max_norm_ratio):
+        clipped = centered_clip(rows, on_support, numel=n)
+    if clipped is None:
+        _weighted_mean(rows, on_support, None)
+    out[support] = on_support
+    included = tuple(index for index, _, _ in kept)
+    return Averaged(included, None, out, excluded, clipped or ())
+
+
+def _entries(
+    data: torch.Tensor | bytearray | memoryview, wire_dtype: str, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k contribution's non-zero entries: from its image (validated), or from a dense tensor."""
+    if isinstance(data, torch.Tensor):
+        where = torch.nonzero(data).squeeze(1)  # (NaN is non-zero: the screen sees it)
+        return where, data[where].float()
+    return codecs.entries(data, wire_dtype, n)
 
 
 def _weighted_mean(kept: _Weighted, acc: torch.Tensor, scratch: torch.Tensor | None) -> None:
@@ -206,13 +259,16 @@ def centered_clip(
     radius: float = CLIP_RADIUS,
     iterations: int = CLIP_ITERATIONS,
     known: _Centre | None = None,
+    numel: int | None = None,
 ) -> tuple[int, ...] | None:
     """CenteredClip of finite contributions into `out` (see the module notes); returns the members it
     clipped, or None — `out` untouched — when every contribution lies within the radius of the
     coordinate-wise median, or there are fewer than CLIP_MIN_MEMBERS or CLIP_MIN_VALUES (the weighted
     mean is then the answer). `known`: their fp32 rows and coordinate-wise median (which this changes),
-    if already made."""
-    if len(contributions) < CLIP_MIN_MEMBERS or contributions[0][2].numel() < CLIP_MIN_VALUES:
+    if already made. `numel`: the contributions' length when the rows hold only the coordinates where
+    any of them is non-zero (a top-k wire's), which is what CLIP_MIN_VALUES counts."""
+    length = numel if numel is not None else contributions[0][2].numel()
+    if len(contributions) < CLIP_MIN_MEMBERS or length < CLIP_MIN_VALUES:
         return None
     if known is None:
         rows = [values.float() for _, _, values in contributions]

@@ -115,6 +115,15 @@ def decode(
     return values
 
 
+def entries(
+    image: bytes | bytearray | memoryview, wire_dtype: str, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k image's kept entries (flat positions ascending, fp32 values), validated as `decode`
+    validates it, without its n-value dense vector (`sparse.entries`)."""
+    assert is_sparse(wire_dtype), "a top-k wire dtype expected"
+    return sparse.entries(image, n, topk_of(wire_dtype))
+
+
 def _decoded(raw: torch.Tensor, wire_dtype: str, n: int, out: torch.Tensor | None) -> torch.Tensor:
     if wire_dtype == "fp32":
         return raw.view(torch.float32)

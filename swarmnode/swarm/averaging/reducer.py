@@ -356,7 +356,7 @@ class _PartRound:
 
     def _valid_sparse(self, image: memoryview) -> bool:
         try:
-            codecs.decode(image, self.spec.wire_dtype, self.part_len)
+            codecs.entries(image, self.spec.wire_dtype, self.part_len)
         except ValueError as exc:
             logger.info("group %s: a top-k part refused: %s", self.spec.group_id, exc)
             return False
