@@ -198,16 +198,15 @@ def test_a_top_k_part_is_aggregated_on_its_entries_as_on_the_dense_vectors(far: 
     through the screen, the median, every clip step and the mean), and gives what the dense maths
     gives: an honest round's mean bit for bit, a clipped one to rounding (its norms add in another order)."""
     k, n = 41, 8 * sparse.CHUNK + 100
-    honest = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    rows = [*honest, (-5 if far else 1) * honest[0] + torch.randn(n) * 0.1]
+    g = torch.Generator().manual_seed(0)
+    honest = [torch.randn(n, generator=g) for _ in range(3)]
+    rows = [*honest, (-5 if far else 1) * honest[0] + 0.1 * torch.randn(n, generator=g)]
     weights = [2560.0, 1280.0, 2560.0, 1000.0]
-    images = [bytearray(sparse.encode(x, k)) for x in rows]
-    decoded = [
-        (i, w, sparse.decode(image, n, k)) for i, (w, image) in enumerate(zip(weights, images, strict=True))
+    images = [
+        (i, w, bytearray(sparse.encode(x, k))) for i, (w, x) in enumerate(zip(weights, rows, strict=True))
     ]
-    averaged = average(
-        [(i, w, image) for i, w, image in zip(range(4), weights, images, strict=True)], sparse.wire_name(k), n
-    )
+    decoded = [(i, w, sparse.decode(image, n, k)) for i, w, image in images]
+    averaged = average(images, sparse.wire_name(k), n)
     assert averaged.values is not None and averaged.excluded == ()
     if far:
         expected = torch.empty(n)
